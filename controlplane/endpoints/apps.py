@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class EndpointsConfig(AppConfig):
+    name = "controlplane.endpoints"
+    label = "endpoints"

@@ -1,0 +1,218 @@
+"""Collection jobs, their chunks, every rollout, and per-job metric time series.
+
+The job owns its state transitions (NetBox style); services call these, views and tasks stay thin.
+"""
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class InvalidTransition(Exception):
+    """An action that does not fit the job's current state (the API answers 409)."""
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    CANCELLED = "cancelled"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+ACTIVE_STATES = {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED}
+TERMINAL_STATES = {JobState.CANCELLED, JobState.COMPLETED, JobState.FAILED}
+
+
+class CollectionJob(models.Model):
+    class VerifyMode(models.TextChoices):
+        INLINE = "inline"
+        FAST = "fast"
+        DEFERRED = "deferred"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    name = models.CharField(max_length=200, blank=True)
+    dataset = models.ForeignKey("datasets.Dataset", on_delete=models.PROTECT, related_name="jobs")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT, related_name="jobs")
+
+    # ng_collect_rollouts parameters
+    limit = models.PositiveIntegerField(null=True, blank=True, help_text="Keep the first N dataset rows")
+    num_repeats = models.PositiveIntegerField(default=1)
+    num_samples_in_parallel = models.PositiveIntegerField(default=16)
+    parallelism_auto = models.BooleanField(default=False, help_text="Let the adaptive controller choose parallelism")
+    responses_create_params = models.JSONField(default=dict, blank=True, help_text="Overrides merged into every row")
+    verifier = models.CharField(max_length=50, default="math")
+    verifier_options = models.JSONField(default=dict, blank=True)
+    verify_mode = models.CharField(max_length=20, choices=VerifyMode.choices, default=VerifyMode.INLINE)
+    chunk_size = models.PositiveIntegerField(default=5000, help_text="Dataset rows per chunk (unit of distribution)")
+    profiling_enabled = models.BooleanField(default=False)
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    output_path = models.CharField(max_length=1000, blank=True, help_text="Set by the collect_rollouts CLI")
+
+    # state and progress
+    state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
+    total_rollouts = models.PositiveIntegerField(default=0)
+    completed_count = models.PositiveIntegerField(default=0)  # succeeded rows
+    failed_count = models.PositiveIntegerField(default=0)  # rows recorded with a failure class
+    error_message = models.TextField(blank=True)
+    stalled = models.BooleanField(default=False)
+    aggregate_metrics = models.JSONField(default=dict, blank=True)
+    timing_summary = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "idempotency_key"], name="uniq_job_idempotency_key"),
+        ]
+
+    def __str__(self):
+        return f"job {self.pk} {self.name or ''} [{self.state}]"
+
+    # --- derived -------------------------------------------------------------------------------
+    @property
+    def done_count(self):
+        return self.completed_count + self.failed_count
+
+    @property
+    def progress_fraction(self):
+        return (self.done_count / self.total_rollouts) if self.total_rollouts else 0.0
+
+    @property
+    def is_active(self):
+        return self.state in ACTIVE_STATES
+
+    # --- state transitions (the only places that change `state`) -------------------------------
+    _ALLOWED = {
+        "start": {JobState.QUEUED, JobState.RUNNING},
+        "pause": {JobState.QUEUED, JobState.RUNNING},
+        "resume": {JobState.PAUSED, JobState.FAILED, JobState.CANCELLED, JobState.RUNNING, JobState.QUEUED},
+        "cancel": {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
+        "complete": {JobState.RUNNING, JobState.QUEUED},
+        "fail": {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
+        "retry_failed": {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED},
+    }
+
+    def _check(self, action):
+        if self.state not in self._ALLOWED[action]:
+            raise InvalidTransition(f"cannot {action.replace('_', ' ')} a job that is {self.state}")
+
+    def _set(self, state, **fields):
+        self.state = state
+        for k, v in fields.items():
+            setattr(self, k, v)
+        self.save(update_fields=["state", *fields.keys()])
+
+    def mark_running(self):
+        self._check("start")
+        self._set(JobState.RUNNING, started_at=self.started_at or timezone.now(), stalled=False)
+
+    def pause(self):
+        self._check("pause")
+        self._set(JobState.PAUSED)
+
+    def resume(self):
+        self._check("resume")
+        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False)
+
+    def cancel(self):
+        self._check("cancel")
+        self._set(JobState.CANCELLED, finished_at=timezone.now())
+
+    def complete(self):
+        self._check("complete")
+        self._set(JobState.COMPLETED, finished_at=timezone.now(), stalled=False)
+
+    def fail(self, message):
+        self._check("fail")
+        self._set(JobState.FAILED, finished_at=timezone.now(), error_message=message[:10000])
+
+
+class JobChunk(models.Model):
+    """A range of dataset rows processed by one Celery task. Leased with a heartbeat so a chunk
+    whose worker died is detected and handed out again; rollouts are unique, so a rerun is
+    exactly-once."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+
+    job = models.ForeignKey(CollectionJob, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField()
+    start_row = models.PositiveIntegerField()  # dataset row index, inclusive
+    end_row = models.PositiveIntegerField()  # exclusive
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="uniq_job_chunk_index")]
+
+
+class Rollout(models.Model):
+    """One (task, repeat) of a job: the NeMo Gym output row plus its timings. Unique on
+    (job, task_index, rollout_index): resuming never duplicates a row."""
+
+    class Status(models.TextChoices):
+        OK = "ok"
+        FAILED = "failed"
+
+    job = models.ForeignKey(CollectionJob, on_delete=models.CASCADE, related_name="rollouts")
+    task_index = models.PositiveIntegerField()
+    rollout_index = models.PositiveIntegerField()
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.OK)
+    failure_class = models.CharField(max_length=40, blank=True)  # http_429, http_5xx, timeout, connection, verifier_error, ...
+    error = models.TextField(blank=True)
+    reward = models.FloatField(null=True, blank=True)
+    data = models.JSONField()  # the full NeMo Gym output row (input fields + response + reward + verifier fields)
+    queue_ms = models.FloatField(null=True, blank=True)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    generation_ms = models.FloatField(null=True, blank=True)
+    verify_ms = models.FloatField(null=True, blank=True)
+    wall_ms = models.FloatField(null=True, blank=True)
+    input_tokens = models.PositiveIntegerField(null=True, blank=True)
+    output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=1)
+    weight_version = models.CharField(max_length=100, blank=True)
+    worker = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "task_index", "rollout_index"], name="uniq_rollout_per_job"),
+        ]
+        indexes = [
+            models.Index(fields=["job", "id"], name="rollout_job_id"),
+            models.Index(fields=["job", "status", "id"], name="rollout_job_status_id"),
+            models.Index(fields=["job", "reward", "id"], name="rollout_job_reward_id"),
+            models.Index(fields=["job", "wall_ms", "id"], name="rollout_job_wall_id"),
+        ]
+
+
+class JobMetricSample(models.Model):
+    """A point of a job's time series, written about once a second per worker while it runs."""
+
+    job = models.ForeignKey(CollectionJob, on_delete=models.CASCADE, related_name="metric_samples")
+    worker = models.CharField(max_length=200, blank=True)
+    t = models.DateTimeField(default=timezone.now)
+    elapsed_s = models.FloatField(default=0)
+    completed = models.PositiveIntegerField(default=0)  # cumulative, this worker's chunk run
+    failed = models.PositiveIntegerField(default=0)
+    samples_per_s = models.FloatField(default=0)
+    output_tokens_per_s = models.FloatField(default=0)
+    in_flight = models.PositiveIntegerField(default=0)
+    parallelism = models.PositiveIntegerField(default=0)
+    errors = models.JSONField(default=dict, blank=True)  # {"http_429": n, ...} in this interval
+    extra = models.JSONField(default=dict, blank=True)  # telemetry added by later work (cpu, loop lag, vLLM gauges)
+
+    class Meta:
+        ordering = ["job", "t"]
+        indexes = [models.Index(fields=["job", "t"], name="metric_job_t")]

@@ -1,0 +1,2 @@
+"""WebSocket routes; each app contributes its own patterns."""
+websocket_urlpatterns = []

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: installs what the suite needs (packages, Redis, PostgreSQL, Chromium, real vLLM
+# on CPU with a tiny local model), starts what is down, and runs the whole suite.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$ROOT"
+bash scripts/bootstrap.sh requirements-dev.txt
+ensure_postgres
+[ -f scripts/test_prereqs.sh ] && bash scripts/test_prereqs.sh
+export DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/controlplane}"
+export REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
+exec "$PY" -m pytest "$@"
