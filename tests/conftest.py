@@ -1,2 +1,2 @@
-"""Shared fixtures. Server fixtures (simulator, real vLLM) live in tests/servers.py."""
-pytest_plugins = ["tests.servers"]
+"""Shared fixtures. Model-server fixtures live in their own plugin modules."""
+pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm"]

@@ -1,0 +1,1 @@
+"""Fixtures that start the built-in simulator on loopback."""

@@ -1,0 +1,1 @@
+"""Fixtures that build and start real vLLM on CPU (scripts/vllm_cpu.sh)."""
