@@ -1,2 +1,4 @@
 """WebSocket routes; each app contributes its own patterns."""
-websocket_urlpatterns = []
+from controlplane.dashboard.routing import websocket_urlpatterns as dashboard_ws
+
+websocket_urlpatterns = [*dashboard_ws]

@@ -35,6 +35,8 @@ INSTALLED_APPS = [
     "controlplane.datasets",
     "controlplane.endpoints",
     "controlplane.jobs",
+    "controlplane.dashboard",
+    "controlplane.api",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class DashboardConfig(AppConfig):
+    name = "controlplane.dashboard"
+    label = "dashboard"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# What the test suite needs beyond the Python packages, installed idempotently.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$ROOT"
+# Headless Chromium from Debian's packages for the browser tests (no browser download).
+apt_install chromium chromium-driver fonts-dejavu-core
+# Front-end packages (chart library) from npm.
+[ -f scripts/frontend.sh ] && bash scripts/frontend.sh
+# Real vLLM on CPU with a tiny locally built model, for the `vllm` tests.
+[ -f scripts/vllm_cpu.sh ] && bash scripts/vllm_cpu.sh setup
+true
