@@ -1,0 +1,38 @@
+"""Ownership model: every dataset, endpoint and job belongs to the user who created it.
+A user sees only their own objects; staff see everything. Views, the API and the WebSocket
+consumer all filter through these functions, so the rule lives in one place."""
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+
+def _visible(qs: QuerySet, user) -> QuerySet:
+    if not getattr(user, "is_authenticated", False):
+        return qs.none()
+    if user.is_staff:
+        return qs
+    return qs.filter(owner=user)
+
+
+def visible_datasets(user):
+    from controlplane.datasets.models import Dataset
+
+    return _visible(Dataset.objects.all(), user)
+
+
+def visible_endpoints(user):
+    from controlplane.endpoints.models import Endpoint
+
+    return _visible(Endpoint.objects.all(), user)
+
+
+def visible_jobs(user):
+    from controlplane.jobs.models import CollectionJob
+
+    return _visible(CollectionJob.objects.all(), user)
+
+
+def can_see(user, obj) -> bool:
+    if not getattr(user, "is_authenticated", False):
+        return False
+    return user.is_staff or getattr(obj, "owner_id", None) == user.id
