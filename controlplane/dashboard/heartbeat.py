@@ -1,0 +1,131 @@
+"""Worker heartbeat: every Celery worker writes its host, CPU and GPU into WorkerHeartbeat.
+
+Connected in DashboardConfig.ready(): `worker_ready` starts a daemon thread that upserts the row
+every HEARTBEAT_INTERVAL_S seconds; `worker_shutdown` marks it stopped. The overview counts a worker
+alive while its row is fresher than ALIVE_AFTER_S.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from datetime import timedelta
+
+from django.utils import timezone
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = float(os.environ.get("WORKER_HEARTBEAT_INTERVAL_S", "5"))
+ALIVE_AFTER_S = max(3 * HEARTBEAT_INTERVAL_S, 15.0)
+
+_stop = threading.Event()
+_state: dict = {}
+
+
+def gpu_snapshot() -> list[dict]:
+    """GPUs through NVML where present; an empty list on hosts without one."""
+    try:
+        import pynvml
+    except Exception:  # noqa: BLE001
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver / no GPU
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            out.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "util_percent": util.gpu,
+                    "mem_used_mb": round(mem.used / 2**20),
+                    "mem_total_mb": round(mem.total / 2**20),
+                }
+            )
+    except Exception as e:  # noqa: BLE001
+        log.debug("NVML query failed: %s", e)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def host_snapshot() -> dict:
+    import psutil
+
+    proc = _state.setdefault("proc", psutil.Process())
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cpu_percent": psutil.cpu_percent(interval=None),
+        "cpu_count": psutil.cpu_count() or 0,
+        "process_cpu_percent": proc.cpu_percent(interval=None),
+        "memory_percent": psutil.virtual_memory().percent,
+        "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+        "gpus": gpu_snapshot(),
+    }
+
+
+def beat(name: str, concurrency: int = 0, stopped: bool = False) -> None:
+    from django.db import close_old_connections
+
+    from .models import WorkerHeartbeat
+
+    close_old_connections()
+    now = timezone.now()
+    snap = host_snapshot()
+    WorkerHeartbeat.objects.update_or_create(
+        name=name,
+        defaults={**snap, "last_seen": now, "stopped": stopped, "concurrency": concurrency},
+        create_defaults={**snap, "last_seen": now, "stopped": stopped, "concurrency": concurrency, "started_at": now},
+    )
+
+
+def _loop(name: str, concurrency: int) -> None:
+    while not _stop.is_set():
+        try:
+            beat(name, concurrency)
+        except Exception as e:  # noqa: BLE001 - the heartbeat must never take the worker down
+            log.warning("worker heartbeat failed: %s", e)
+        _stop.wait(HEARTBEAT_INTERVAL_S)
+
+
+def on_worker_ready(sender=None, **kwargs):
+    name = getattr(sender, "hostname", None) or f"celery@{socket.gethostname()}:{os.getpid()}"
+    concurrency = getattr(getattr(sender, "controller", None), "concurrency", 0) or 0
+    _state["name"] = name
+    _stop.clear()
+    threading.Thread(target=_loop, args=(name, int(concurrency)), name="dashboard-heartbeat", daemon=True).start()
+
+
+def on_worker_shutdown(sender=None, **kwargs):
+    _stop.set()
+    name = _state.get("name")
+    if name:
+        try:
+            beat(name, stopped=True)
+        except Exception as e:  # noqa: BLE001
+            log.warning("final worker heartbeat failed: %s", e)
+
+
+def alive_workers():
+    from .models import WorkerHeartbeat
+
+    cutoff = timezone.now() - timedelta(seconds=ALIVE_AFTER_S)
+    return WorkerHeartbeat.objects.filter(last_seen__gte=cutoff, stopped=False)
+
+
+def connect_signals():
+    from celery.signals import worker_ready, worker_shutdown
+
+    worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="dashboard-heartbeat-ready")
+    worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="dashboard-heartbeat-shutdown")
