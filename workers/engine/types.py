@@ -21,6 +21,7 @@ class FailureClass:
     BAD_RESPONSE = "bad_response"  # unparseable body, missing fields
     VERIFIER_ERROR = "verifier_error"  # the verifier raised; reward 0, row kept
     CANCELLED = "cancelled"
+    BAD_INPUT = "bad_input"  # the row cannot be turned into a request (e.g. malformed input messages)
 
     RETRYABLE = {HTTP_429, HTTP_5XX, TIMEOUT, CONNECTION}
 
@@ -38,6 +39,7 @@ class EndpointSpec:
     backoff_max_s: float = 30.0
     rpm_limit: int | None = None  # client-side pacing when set
     tpm_limit: int | None = None
+    read_timeout_s: float | None = None  # longest silence between streamed chunks; default request_timeout_s
 
 
 @dataclass
@@ -53,6 +55,7 @@ class CollectionSpec:
     progress_interval_s: float = 1.0
     verify_processes: int | None = None  # process pool size for CPU-bound verifiers (default: cores)
     worker_name: str = ""
+    pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
 
 
 @dataclass

@@ -1,0 +1,729 @@
+"""The collection engine: tasks -> model server -> verifier -> sink, with bounded memory.
+
+Shape of a run
+--------------
+* One aiohttp ClientSession for the whole run (connector limit sized to parallelism).
+* A feeder coroutine pulls TaskItems lazily from the given (async) iterable into a bounded queue
+  (`max_resident - parallelism` slots, at least 1). Plain synchronous iterators other than in-memory
+  sequences are advanced in one dedicated thread, in small batches, so that an iterator that does
+  blocking I/O (e.g. a database cursor) never blocks the event loop and always runs in the same thread.
+* A fixed pool of `parallelism` worker coroutines takes tasks off the queue; a worker holds one task
+  from request to emitted result, so at most `parallelism` tasks are in flight and at most
+  `max_resident` tasks are in memory whatever the dataset size. The pool grows or shrinks when the
+  control asks for another parallelism (idle workers retire at once, busy ones after their task).
+* The control (if any) is polled in a thread every CONTROL_POLL_S. "pause" stops taking tasks, lets
+  in-flight requests finish for up to `spec.pause_grace_s` and returns RunSummary(paused=True);
+  "cancel" cancels in-flight requests at once and returns RunSummary(cancelled=True). Tasks not
+  finished are never emitted: the caller collects them on the next run.
+
+Timings recorded on each RolloutResult (milliseconds, monotonic clock):
+* queue_ms: from the moment the task became resident (read from the iterator into the queue) to the
+  moment a worker slot took it and any client-side rate-limit pacing let it go: time spent waiting for
+  a parallelism slot (plus pacing).
+* ttft_ms: request sent -> first generated token (streaming), or the whole request (not streaming),
+  of the last (successful) attempt.
+* generation_ms: first -> last generated token (streaming only; None otherwise).
+* verify_ms: time spent in the verifier (including the process-pool hop).
+* wall_ms: slot acquired -> verified, including retries and backoff (excludes queue_ms).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from email.utils import parsedate_to_datetime
+from typing import Any, AsyncIterable, Iterable
+
+import aiohttp
+
+from workers.verifiers import get_verifier, verify_row
+from workers.verifiers.base import Verifier
+
+from .convert import StreamAccumulator, build_request, convert_answer, response_text
+from .materialize import merge_overrides
+from .types import (
+    CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
+)
+
+log = logging.getLogger(__name__)
+
+CONTROL_POLL_S = 0.5
+WEIGHT_VERSION_HEADERS = ("X-Weight-Version", "X-Model-Weight-Version")
+_ITER_BATCH = 64
+_END = object()
+
+
+# ------------------------------------------------------------------------------------- process pool
+
+_pool_lock = threading.Lock()
+_pool: ProcessPoolExecutor | None = None
+_pool_size = 0
+
+
+def _mp_context():
+    """forkserver where available (never fork: the engine often runs in a thread of a threaded process)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["workers.verifiers", "math_verify"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def get_verify_pool(size: int | None = None) -> ProcessPoolExecutor:
+    """The module-level process pool for CPU-bound verifiers, created on first use and reused across runs
+    (a Celery worker runs many jobs; starting processes and importing sympy each time is costly)."""
+    global _pool, _pool_size
+    size = max(1, size or os.cpu_count() or 1)
+    with _pool_lock:
+        if _pool is not None and _pool_size != size:
+            _pool.shutdown(wait=False, cancel_futures=True)
+            _pool = None
+        if _pool is None:
+            _pool = ProcessPoolExecutor(max_workers=size, mp_context=_mp_context())
+            _pool_size = size
+        return _pool
+
+
+def shutdown_verify_pool(wait: bool = True) -> None:
+    """Stop the verifier processes (also registered with atexit)."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def _discard_broken_pool(pool) -> None:
+    global _pool
+    with _pool_lock:
+        if _pool is pool:
+            _pool = None
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+import atexit  # noqa: E402
+
+atexit.register(shutdown_verify_pool, False)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+class _AttemptError(Exception):
+    def __init__(self, failure_class: str, message: str, retryable: bool, retry_after: float | None = None,
+                 unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable  # could not even connect (vs. a connection dropped mid-answer)
+        self.failure_class = failure_class
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+class _Abandon(Exception):
+    """The run is stopping: drop this task without emitting it."""
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After as seconds (delta-seconds or an HTTP date); None when absent or unparseable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None = None) -> float:
+    """Delay before retry number `attempt + 1` (attempt counts from 0): Retry-After when the server sent
+    one (capped at `cap`), else exponential `base * 2**attempt` capped at `cap`, with equal jitter."""
+    if retry_after is not None:
+        return min(cap, retry_after) * random.uniform(1.0, 1.1)
+    delay = min(cap, base * (2 ** attempt))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+class TokenBucket:
+    """Client-side pacing: `per_minute` units per minute, bursts of one second's worth (at least one unit).
+
+    `acquire(n)` takes n units, sleeping while the bucket is in debt; `adjust(n)` corrects an estimate
+    afterwards (positive: more was used)."""
+
+    def __init__(self, per_minute: float, burst: float | None = None):
+        self.rate = per_minute / 60.0
+        self.capacity = max(1.0, burst if burst is not None else self.rate)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self.lock = asyncio.Lock()
+
+    def _refill(self):
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    async def acquire(self, amount: float = 1.0):
+        async with self.lock:
+            self._refill()
+            self.tokens -= amount
+            if self.tokens < 0:
+                await asyncio.sleep(-self.tokens / self.rate)
+                self._refill()
+
+    def adjust(self, amount: float):
+        self._refill()
+        self.tokens -= amount
+
+
+def _error_reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error is not None:
+        text = str(exc.os_error.strerror or exc.os_error) or text
+    return text
+
+
+# -------------------------------------------------------------------------------------------- the run
+
+class _Run:
+    def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None):
+        if not spec.endpoint.base_urls:
+            raise ValueError("EndpointSpec.base_urls is empty")
+        self.spec = spec
+        self.ep = spec.endpoint
+        self.sink = sink
+        self.control = control
+        self.loop = asyncio.get_running_loop()
+        self.t0 = time.monotonic()
+
+        self.target = max(1, int(spec.parallelism))
+        self.max_resident = max(self.target, int(spec.max_resident or 2 * self.target))
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, self.max_resident - self.target))
+
+        self.base_urls = [u.rstrip("/") for u in self.ep.base_urls]
+        self.url_inflight = [0] * len(self.base_urls)
+        self.rr = 0
+        self.headers = {"Authorization": f"Bearer {self.ep.api_key}"} if self.ep.api_key else {}
+        read_timeout = getattr(self.ep, "read_timeout_s", None)
+        if self.spec.stream:
+            self.timeout = aiohttp.ClientTimeout(total=self.ep.request_timeout_s, sock_connect=self.ep.connect_timeout_s,
+                                                 sock_read=read_timeout or self.ep.request_timeout_s)
+        else:
+            self.timeout = aiohttp.ClientTimeout(total=self.ep.request_timeout_s, sock_connect=self.ep.connect_timeout_s,
+                                                 sock_read=None)
+        self.rpm = TokenBucket(self.ep.rpm_limit) if self.ep.rpm_limit else None
+        self.tpm = TokenBucket(self.ep.tpm_limit) if self.ep.tpm_limit else None
+        self.avg_output_tokens = 256.0
+
+        # verification
+        self.verifier: Verifier | None = None
+        self.verify_in_pool = False
+        self.fast = spec.verify_mode == "fast"
+        if spec.verify_mode != "deferred" and spec.verifier and spec.verifier != "none":
+            self.verifier = get_verifier(spec.verifier)  # ValueError for an unknown name
+            overrides_fast = type(self.verifier).fast_verify is not Verifier.fast_verify
+            self.verify_in_pool = self.verifier.cpu_bound and not (self.fast and overrides_fast)
+
+        # workers and state
+        self.workers: dict[asyncio.Task, str] = {}  # task -> "idle" | "busy" | "emit"
+        self.n_workers = 0
+        self.in_flight = 0
+        self.max_in_flight_seen = 0
+        self.stopping = False
+        self.stop_event = asyncio.Event()
+        self.done_event = asyncio.Event()
+        self.paused = False
+        self.cancelled = False
+        self.fatal_error = ""
+        self.sink_error: BaseException | None = None
+        self.completed = 0
+        self.failed = 0
+        self.other_outcomes = 0  # failed rows emitted (with `completed`: has anything come back at all?)
+        self.feeder: asyncio.Task | None = None
+        self.iter_executor: ThreadPoolExecutor | None = None
+        self.control_executor: ThreadPoolExecutor | None = None
+
+        # interval counters for progress ticks
+        self.tick_ok = 0
+        self.tick_finished = 0
+        self.tick_tokens = 0
+        self.tick_errors: Counter = Counter()
+        self.last_tick = self.t0
+
+    # ---------------------------------------------------------------- feeding
+    async def _put(self, item: TaskItem):
+        await self.queue.put((item, time.monotonic()))
+
+    async def _feed(self, tasks):
+        try:
+            if hasattr(tasks, "__aiter__"):
+                async for item in tasks:
+                    await self._put(item)
+            elif isinstance(tasks, (list, tuple, range)):
+                for item in tasks:
+                    await self._put(item)
+            else:
+                it = iter(tasks)
+                self.iter_executor = ThreadPoolExecutor(1, thread_name_prefix="engine-tasks")
+
+                def take(n):
+                    batch = []
+                    for item in it:
+                        batch.append(item)
+                        if len(batch) >= n:
+                            break
+                    return batch
+
+                while True:
+                    n = max(1, min(_ITER_BATCH, self.queue.maxsize - self.queue.qsize()))
+                    batch = await self.loop.run_in_executor(self.iter_executor, take, n)
+                    for item in batch:
+                        await self._put(item)
+                    if len(batch) < n:
+                        break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the task iterator failed: stop the run with a clear message
+            log.exception("task iterator failed")
+            self.fatal_error = f"reading tasks failed: {type(exc).__name__}: {exc}"
+            self._stop(cancel=True)
+            return
+        await self.queue.put(_END)
+
+    # ---------------------------------------------------------------- workers
+    def _spawn(self, n: int):
+        for _ in range(n):
+            self.n_workers += 1
+            task = self.loop.create_task(self._worker())
+            self.workers[task] = "idle"
+
+    async def _worker(self):
+        me = asyncio.current_task()
+        try:
+            while not self.stopping and self.n_workers <= self.target:
+                self.workers[me] = "idle"
+                entry = await self.queue.get()
+                if entry is _END:
+                    self.queue.put_nowait(_END)  # let the other workers see it too
+                    return
+                if self.stopping:
+                    return
+                self.workers[me] = "busy"
+                await self._process(*entry)
+        except (asyncio.CancelledError, _Abandon):
+            pass
+        except Exception as exc:  # a bug: surface it instead of silently losing a worker
+            log.exception("engine worker failed")
+            if not self.fatal_error:
+                self.fatal_error = f"internal engine error: {type(exc).__name__}: {exc}"
+            self._stop(cancel=True)
+        finally:
+            self.workers.pop(me, None)
+            self.n_workers -= 1
+            if self.n_workers <= 0:
+                self.done_event.set()
+
+    def _set_parallelism(self, n: int):
+        n = max(1, int(n))
+        if n == self.target or self.stopping:
+            return
+        self.target = n
+        connector = getattr(self, "connector", None)
+        if connector is not None and hasattr(connector, "_limit") and connector._limit and connector._limit < n:
+            connector._limit = n  # aiohttp has no public setter; the pool must never be the smaller bound
+        if self.n_workers < n:
+            self._spawn(n - self.n_workers)
+        else:
+            excess = self.n_workers - n
+            for task, state in list(self.workers.items()):
+                if excess <= 0:
+                    break
+                if state == "idle":
+                    task.cancel()
+                    excess -= 1
+            # busy workers over the target retire after their current task
+
+    def _stop(self, cancel: bool, grace: float = 0.0):
+        """Stop taking tasks. cancel=True: cancel in-flight work now; else after `grace` seconds."""
+        if not self.stopping:
+            self.stopping = True
+            self.stop_event.set()
+            if self.feeder is not None:
+                self.feeder.cancel()
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(_END)
+            for task, state in list(self.workers.items()):
+                if state == "idle":
+                    task.cancel()
+        if cancel or grace <= 0:
+            self._cancel_busy()
+        else:
+            self.loop.call_later(grace, self._cancel_busy)
+
+    def _cancel_busy(self):
+        for task, state in list(self.workers.items()):
+            if state != "emit":  # a result being handed to the sink is let through
+                task.cancel()
+
+    # ---------------------------------------------------------------- one task
+    def _pick_url(self) -> int:
+        n = len(self.base_urls)
+        if n == 1:
+            return 0
+        start = self.rr = (self.rr + 1) % n
+        best = start
+        for k in range(n):
+            i = (start + k) % n
+            if self.url_inflight[i] < self.url_inflight[best]:
+                best = i
+        return best
+
+    def _estimate_tokens(self, body: dict) -> float:
+        prompt = body.get("messages") or body.get("prompt") or body.get("input") or ""
+        chars = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt))
+        out = body.get("max_tokens") or body.get("max_output_tokens") or self.avg_output_tokens
+        return chars / 4 + float(out)
+
+    async def _process(self, item: TaskItem, t_enqueued: float):
+        spec = self.spec
+        row = merge_overrides(item.row, spec.responses_create_params)
+        out_row = dict(row)
+        result = RolloutResult(task_index=item.task_index, rollout_index=item.rollout_index, ok=False, output_row=out_row, attempts=0)
+        try:
+            path, body = build_request(self.ep.api_flavor, row.get("responses_create_params") or {}, self.ep.model, spec.stream)
+        except (ValueError, TypeError, KeyError) as exc:
+            body = None
+            result.failure_class = FailureClass.BAD_INPUT
+            result.error = f"cannot build the request from this row: {exc}"
+
+        estimate = 0.0
+        if body is not None:
+            if self.rpm is not None:
+                await self.rpm.acquire(1)
+            if self.tpm is not None:
+                estimate = self._estimate_tokens(body)
+                await self.tpm.acquire(estimate)
+        t_slot = time.monotonic()
+        result.queue_ms = (t_slot - t_enqueued) * 1000.0
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight_seen:
+            self.max_in_flight_seen = self.in_flight
+        try:
+            response, unreachable = None, False
+            if body is not None:
+                response, unreachable = await self._request_with_retries(path, body, result)
+            if response is not None:
+                usage = response.get("usage") or {}
+                result.input_tokens = usage.get("input_tokens")
+                result.output_tokens = usage.get("output_tokens")
+                if self.tpm is not None and usage:
+                    self.tpm.adjust(float(usage.get("total_tokens") or 0) - estimate)
+                if result.output_tokens:
+                    self.avg_output_tokens = 0.95 * self.avg_output_tokens + 0.05 * result.output_tokens
+                out_row["response"] = response
+                result.ok = True
+                if self.verifier is not None:
+                    await self._verify(row, response, result)
+            elif unreachable and self.completed == 0 and self.other_outcomes == 0:
+                # nothing has ever come back from the endpoint: stop the run, emit nothing
+                if not self.fatal_error:
+                    self.fatal_error = result.error
+                self._stop(cancel=True)
+                raise _Abandon()
+            out_row["_ng_task_index"] = item.task_index
+            out_row["_ng_rollout_index"] = item.rollout_index
+            result.wall_ms = (time.monotonic() - t_slot) * 1000.0
+        finally:
+            self.in_flight -= 1
+
+        if result.ok:
+            self.completed += 1
+            self.tick_ok += 1
+            self.tick_tokens += result.output_tokens or 0
+        else:
+            self.failed += 1
+        self.tick_finished += 1
+        self.other_outcomes += 0 if result.ok else 1
+        me = asyncio.current_task()
+        self.workers[me] = "emit"
+        try:
+            await self.sink.rollout(result)
+        except Exception as exc:
+            log.exception("sink.rollout failed")
+            if self.sink_error is None:
+                self.sink_error = exc
+            self._stop(cancel=True)
+            raise _Abandon() from exc
+        finally:
+            if me in self.workers:
+                self.workers[me] = "busy"
+
+    async def _request_with_retries(self, path: str, body: dict, result: RolloutResult) -> tuple[dict | None, bool]:
+        """(response, False) on success; (None, unreachable) once the retry budget is spent or the error is
+        not retryable, with result.failure_class / error / attempts filled in."""
+        ep = self.ep
+        attempt = 0
+        while True:
+            idx = self._pick_url()
+            url = self.base_urls[idx] + path
+            result.attempts = attempt + 1
+            self.url_inflight[idx] += 1
+            try:
+                return await self._attempt(url, body, result), False
+            except _AttemptError as err:
+                self.tick_errors[err.failure_class] += 1
+                if not err.retryable or attempt >= ep.max_retries:
+                    result.failure_class = err.failure_class
+                    retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
+                    if err.unreachable:
+                        result.error = f"cannot reach {self.base_urls[idx]}: {err}{retries}"
+                    else:
+                        result.error = f"{err}{retries}"
+                    return None, err.unreachable
+                retry_after = err.retry_after
+            finally:
+                self.url_inflight[idx] -= 1
+            delay = backoff_delay(attempt, ep.backoff_base_s, ep.backoff_max_s, retry_after)
+            attempt += 1
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), delay)
+            except asyncio.TimeoutError:
+                continue
+            raise _Abandon()  # stopping while backing off: leave the task for the next run
+
+    async def _attempt(self, url: str, body: dict, result: RolloutResult) -> dict:
+        flavor = self.ep.api_flavor
+        t_sent = time.monotonic()
+        try:
+            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout) as resp:
+                status = resp.status
+                if status != 200:
+                    text = (await resp.text(errors="replace"))[:300]
+                    retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+                    if status == 429:
+                        raise _AttemptError(FailureClass.HTTP_429, f"HTTP 429 from {url}: {text}", True, retry_after)
+                    if status >= 500:
+                        raise _AttemptError(FailureClass.HTTP_5XX, f"HTTP {status} from {url}: {text}", True, retry_after)
+                    if status == 408:
+                        raise _AttemptError(FailureClass.TIMEOUT, f"HTTP 408 from {url}: {text}", True, retry_after)
+                    raise _AttemptError(FailureClass.HTTP_4XX, f"HTTP {status} from {url}: {text}", status == 409, retry_after)
+                for name in WEIGHT_VERSION_HEADERS:
+                    if name in resp.headers:
+                        result.weight_version = resp.headers[name]
+                        break
+                ctype = resp.headers.get("Content-Type", "")
+                if self.spec.stream and "text/event-stream" in ctype:
+                    acc = StreamAccumulator(flavor)
+                    t_first = t_last = None
+                    buf = b""
+                    done = False
+                    async for chunk in resp.content.iter_any():
+                        buf += chunk
+                        if b"\n" not in chunk:
+                            continue
+                        lines = buf.split(b"\n")
+                        buf = lines.pop()
+                        for line in lines:
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if not data:
+                                continue
+                            if data == b"[DONE]":
+                                done = True
+                                break
+                            if acc.feed(json.loads(data)):
+                                t_last = time.monotonic()
+                                if t_first is None:
+                                    t_first = t_last
+                        if done:
+                            break
+                    if not done and acc.id is None and acc.final is None:
+                        raise _AttemptError(FailureClass.CONNECTION, f"stream from {url} ended before any data", True)
+                    response = acc.response()
+                    now = time.monotonic()
+                    result.ttft_ms = ((t_first or now) - t_sent) * 1000.0
+                    result.generation_ms = ((t_last or now) - (t_first or now)) * 1000.0
+                else:
+                    payload = json.loads(await resp.read())
+                    if isinstance(payload, dict) and payload.get("weight_version") and not result.weight_version:
+                        result.weight_version = str(payload["weight_version"])
+                    response = convert_answer(flavor, payload)
+                    result.ttft_ms = (time.monotonic() - t_sent) * 1000.0
+                    result.generation_ms = None
+                return response
+        except _AttemptError:
+            raise
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise _AttemptError(FailureClass.CONNECTION, f"connect timed out after {self.ep.connect_timeout_s:g}s", True,
+                                unreachable=True) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise _AttemptError(FailureClass.CONNECTION, _error_reason(exc), True, unreachable=True) from exc
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            elapsed = time.monotonic() - t_sent
+            raise _AttemptError(FailureClass.TIMEOUT, f"request to {url} timed out after {elapsed:.1f}s", True) from exc
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            raise _AttemptError(FailureClass.CONNECTION, _error_reason(exc), True) from exc
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # JSON or shape errors
+            raise _AttemptError(FailureClass.BAD_RESPONSE, f"bad response from {url}: {type(exc).__name__}: {exc}", False) from exc
+
+    async def _verify(self, row: dict, response: dict, result: RolloutResult):
+        spec = self.spec
+        text = response_text(response)
+        t0 = time.monotonic()
+        try:
+            if self.verify_in_pool:
+                pool = get_verify_pool(spec.verify_processes)
+                try:
+                    vr = await self.loop.run_in_executor(pool, verify_row, spec.verifier, row, text, spec.verifier_options, self.fast)
+                except BrokenProcessPool:
+                    _discard_broken_pool(pool)
+                    raise
+            else:
+                vr = verify_row(spec.verifier, row, text, spec.verifier_options, self.fast)
+            reward = float(vr.reward)
+            result.output_row["reward"] = reward
+            result.output_row.update(vr.fields or {})
+            result.reward = reward
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            result.ok = False
+            result.failure_class = FailureClass.VERIFIER_ERROR
+            result.error = f"verifier {spec.verifier!r} raised {type(exc).__name__}: {exc}"[:2000]
+            result.reward = 0.0
+            result.output_row["reward"] = 0.0
+            self.tick_errors[FailureClass.VERIFIER_ERROR] += 1
+        result.verify_ms = (time.monotonic() - t0) * 1000.0
+
+    # ---------------------------------------------------------------- progress and control
+    def _tick(self) -> ProgressTick:
+        now = time.monotonic()
+        dt = max(1e-9, now - self.last_tick)
+        tick = ProgressTick(
+            elapsed_s=now - self.t0, completed=self.completed, failed=self.failed, in_flight=self.in_flight,
+            parallelism=self.target, samples_per_s=self.tick_ok / dt, output_tokens_per_s=self.tick_tokens / dt,
+            errors=dict(self.tick_errors),
+            extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(),
+                   "max_in_flight": self.max_in_flight_seen, "interval_s": dt},
+        )
+        self.tick_ok = self.tick_finished = self.tick_tokens = 0
+        self.tick_errors = Counter()
+        self.max_in_flight_seen = self.in_flight
+        self.last_tick = now
+        return tick
+
+    async def _progress_loop(self):
+        while True:
+            await asyncio.sleep(self.spec.progress_interval_s)
+            try:
+                await self.sink.progress(self._tick())
+            except Exception:
+                log.exception("sink.progress failed")
+
+    async def _control_loop(self):
+        self.control_executor = ThreadPoolExecutor(1, thread_name_prefix="engine-control")
+        while not self.stopping:
+            try:
+                state: ControlState = await self.loop.run_in_executor(self.control_executor, self.control.poll)
+            except Exception:
+                log.exception("control.poll failed")
+                state = None
+            if state is not None:
+                if state.action == "cancel":
+                    self.cancelled = True
+                    self._stop(cancel=True)
+                    return
+                if state.action == "pause":
+                    self.paused = True
+                    self._stop(cancel=False, grace=float(getattr(self.spec, "pause_grace_s", 10.0)))
+                    return
+                if state.parallelism:
+                    self._set_parallelism(state.parallelism)
+            await asyncio.sleep(CONTROL_POLL_S)
+
+    # ---------------------------------------------------------------- main
+    async def run(self, tasks) -> RunSummary:
+        self.connector = aiohttp.TCPConnector(limit=self.target, limit_per_host=0, ttl_dns_cache=300)
+        aux: list[asyncio.Task] = []
+        try:
+            async with aiohttp.ClientSession(connector=self.connector, timeout=self.timeout,
+                                             headers={"User-Agent": "rollout-engine"}) as session:
+                self.session = session
+                self.feeder = self.loop.create_task(self._feed(tasks))
+                self._spawn(self.target)
+                aux.append(self.loop.create_task(self._progress_loop()))
+                if self.control is not None:
+                    aux.append(self.loop.create_task(self._control_loop()))
+                try:
+                    await self.done_event.wait()
+                except asyncio.CancelledError:  # the caller cancelled us: stop promptly, then re-raise
+                    self.cancelled = True
+                    self._stop(cancel=True)
+                    await asyncio.gather(*self.workers, return_exceptions=True)
+                    raise
+                if not self.feeder.done():
+                    self.feeder.cancel()
+                await asyncio.gather(self.feeder, return_exceptions=True)
+        finally:
+            for task in aux:
+                task.cancel()
+            await asyncio.gather(*aux, return_exceptions=True)
+            try:
+                await self.sink.progress(self._tick())
+            except Exception:
+                log.exception("sink.progress failed")
+            for ex in (self.iter_executor, self.control_executor):
+                if ex is not None:
+                    ex.shutdown(wait=False, cancel_futures=True)
+            await self.sink.close()
+        if self.sink_error is not None:
+            raise self.sink_error
+        return RunSummary(
+            completed=self.completed, failed=self.failed, cancelled=self.cancelled and not self.fatal_error,
+            paused=self.paused and not self.cancelled and not self.fatal_error,
+            elapsed_s=time.monotonic() - self.t0, fatal_error=self.fatal_error,
+        )
+
+
+async def run_collection(
+    spec: CollectionSpec,
+    tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
+    sink: Sink,
+    control: Control | None = None,
+) -> RunSummary:
+    """Collect one rollout per TaskItem and hand each result to `sink` (see the module docstring).
+
+    Returns a RunSummary; `fatal_error` is set when the run stopped early (endpoint unreachable before
+    any success, unknown verifier, the task iterator failing). Exceptions from the sink propagate.
+    """
+    try:
+        run = _Run(spec, sink, control)
+    except ValueError as exc:
+        await sink.close()
+        return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))
+    return await run.run(tasks)
+
+
+def run_collection_sync(
+    spec: CollectionSpec,
+    tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
+    sink: Sink,
+    control: Control | None = None,
+) -> RunSummary:
+    """`run_collection` in a fresh event loop (for threads, Celery tasks and scripts)."""
+    return asyncio.run(run_collection(spec, tasks, sink, control))
