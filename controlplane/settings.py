@@ -123,7 +123,21 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=3600)}
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
-CELERY_BEAT_SCHEDULE = {}
+CELERY_BEAT_SCHEDULE = {
+    # Re-dispatch chunks whose worker died (stale lease), flag stalled jobs, finalize stragglers.
+    "jobs-watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": env.float("JOBS_WATCHDOG_INTERVAL_S", default=10.0)},
+}
+
+# --- Jobs runtime -----------------------------------------------------------------------------
+# A chunk whose worker has not heartbeated for this long is handed out again (SIGKILLed worker).
+JOBS_LEASE_TIMEOUT_S = env.float("JOBS_LEASE_TIMEOUT_S", default=30.0)
+# A running job with no new rollout for this long is flagged stalled (the flag clears on progress).
+JOBS_STALL_AFTER_S = env.float("JOBS_STALL_AFTER_S", default=300.0)
+# Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
+JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
+JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
+# Progress messages to the Channels layer, per job and worker, at most this many per second.
+JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
 
 CHANNEL_LAYERS = {
     "default": {

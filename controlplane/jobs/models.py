@@ -39,6 +39,9 @@ class CollectionJob(models.Model):
     limit = models.PositiveIntegerField(null=True, blank=True, help_text="Keep the first N dataset rows")
     num_repeats = models.PositiveIntegerField(default=1)
     num_samples_in_parallel = models.PositiveIntegerField(default=16)
+    parallelism_override = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Live parallelism set while the job runs (operator or adaptive controller)"
+    )
     parallelism_auto = models.BooleanField(default=False, help_text="Let the adaptive controller choose parallelism")
     responses_create_params = models.JSONField(default=dict, blank=True, help_text="Overrides merged into every row")
     verifier = models.CharField(max_length=50, default="math")
@@ -80,6 +83,10 @@ class CollectionJob(models.Model):
     @property
     def progress_fraction(self):
         return (self.done_count / self.total_rollouts) if self.total_rollouts else 0.0
+
+    @property
+    def effective_parallelism(self):
+        return self.parallelism_override or self.num_samples_in_parallel
 
     @property
     def is_active(self):
@@ -126,6 +133,11 @@ class CollectionJob(models.Model):
         self._check("complete")
         self._set(JobState.COMPLETED, finished_at=timezone.now(), stalled=False)
 
+    def reopen_for_retry(self):
+        """After failed rows were deleted: back to queued so the missing (task, repeat) pairs run again."""
+        self._check("retry_failed")
+        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False)
+
     def fail(self, message):
         self._check("fail")
         self._set(JobState.FAILED, finished_at=timezone.now(), error_message=message[:10000])
@@ -149,11 +161,13 @@ class JobChunk(models.Model):
     attempts = models.PositiveIntegerField(default=0)
     lease_owner = models.CharField(max_length=200, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True, help_text="Last time a Celery task was sent for it")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job", "index"]
+        indexes = [models.Index(fields=["state", "heartbeat_at"], name="chunk_state_heartbeat")]
         constraints = [models.UniqueConstraint(fields=["job", "index"], name="uniq_job_chunk_index")]
 
 

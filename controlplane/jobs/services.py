@@ -1,8 +1,65 @@
 """Job domain logic, callable from views, the API, tasks, admin and management commands.
 
-CONTRACT (signatures other apps rely on; bodies are being filled in by the collection-spine work):
+CONTRACT (signatures other apps rely on): create_job, cancel_job, pause_job, resume_job, retry_failed.
+Also here: set_parallelism, refresh_counts, finalize_job, run_job_inline, dispatch_chunks.
+
+The per-chunk runner (lease, engine, sink) lives in runtime.py; the Celery entry points in tasks.py.
+Invalid state changes raise models.InvalidTransition (the API answers 409); invalid parameters raise
+django.core.exceptions.ValidationError (400).
 """
 from __future__ import annotations
+
+import logging
+import time
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from .events import publish_job_state
+from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout
+
+logger = logging.getLogger(__name__)
+
+ACTIVE_RUN_STATES = (JobState.QUEUED, JobState.RUNNING)
+
+__all__ = [
+    "create_job", "cancel_job", "pause_job", "resume_job", "retry_failed", "set_parallelism",
+    "refresh_counts", "finalize_job", "run_job_inline", "dispatch_chunks", "InvalidTransition",
+]
+
+
+# --- creation ----------------------------------------------------------------------------------
+def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_size, verifier, verify_mode,
+              responses_create_params, verifier_options):
+    from controlplane.datasets.models import Dataset
+
+    errors = {}
+    if dataset.status != Dataset.Status.READY:
+        errors["dataset"] = f"dataset {dataset.pk} is {dataset.status}, not ready"
+    elif dataset.row_count < 1:
+        errors["dataset"] = f"dataset {dataset.pk} has no rows"
+    for name, value in (("limit", limit), ("num_repeats", num_repeats),
+                        ("num_samples_in_parallel", num_samples_in_parallel), ("chunk_size", chunk_size)):
+        if value is None and name == "limit":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors[name] = f"{name} must be an integer >= 1, not {value!r}"
+    if verify_mode not in CollectionJob.VerifyMode.values:
+        errors["verify_mode"] = f"verify_mode must be one of {', '.join(CollectionJob.VerifyMode.values)}"
+    try:
+        from workers.verifiers import get_verifier
+
+        get_verifier(verifier)
+    except ValueError as exc:
+        errors["verifier"] = str(exc)
+    if not isinstance(responses_create_params, dict):
+        errors["responses_create_params"] = "must be an object"
+    if not isinstance(verifier_options, dict):
+        errors["verifier_options"] = "must be an object"
+    if errors:
+        raise ValidationError(errors)
 
 
 def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
@@ -11,23 +68,265 @@ def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_sampl
                output_path="", launch=True):
     """Create a CollectionJob (and its chunks) and, when launch, dispatch it to Celery. Returns the job.
     With an idempotency_key already used by this owner, returns the existing job instead."""
-    raise NotImplementedError
+    if idempotency_key:
+        existing = CollectionJob.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return existing
+    responses_create_params = {} if responses_create_params is None else responses_create_params
+    verifier_options = {} if verifier_options is None else verifier_options
+    _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
+              chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
+              responses_create_params=responses_create_params, verifier_options=verifier_options)
+
+    n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
+    try:
+        with transaction.atomic():
+            job = CollectionJob.objects.create(
+                owner=owner, name=name, dataset=dataset, endpoint=endpoint, limit=limit, num_repeats=num_repeats,
+                num_samples_in_parallel=num_samples_in_parallel, parallelism_auto=parallelism_auto,
+                responses_create_params=responses_create_params, verifier=verifier,
+                verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
+                idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
+                output_path=output_path, total_rollouts=n_rows * num_repeats,
+            )
+            JobChunk.objects.bulk_create(
+                [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))
+                 for i, start in enumerate(range(0, n_rows, chunk_size))],
+                batch_size=1000,
+            )
+            if launch:
+                dispatch_chunks(job)
+    except IntegrityError:
+        if idempotency_key:  # lost a race with the same key
+            existing = CollectionJob.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+            if existing is not None:
+                return existing
+        raise
+    return job
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+def dispatch_chunks(job, chunk_ids=None):
+    """Send one Celery task per unfinished chunk (or the given ones), after the transaction commits.
+    Safe to repeat: a chunk is leased atomically, so a duplicate message is a no-op."""
+    qs = JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
+    if chunk_ids is not None:
+        qs = qs.filter(pk__in=list(chunk_ids))
+    ids = list(qs.order_by("index").values_list("pk", flat=True))
+    if not ids:
+        return []
+    JobChunk.objects.filter(pk__in=ids).update(dispatched_at=timezone.now())
+
+    def send():
+        from .tasks import run_chunk_task
+
+        for chunk_id in ids:
+            run_chunk_task.delay(chunk_id)
+
+    transaction.on_commit(send)
+    return ids
+
+
+def _dispatch_finalize(job):
+    def send():
+        from .tasks import finalize_job_task
+
+        finalize_job_task.delay(job.pk)
+
+    transaction.on_commit(send)
+
+
+# --- control -----------------------------------------------------------------------------------
+def _locked(job):
+    return CollectionJob.objects.select_for_update().get(pk=job.pk)
+
+
+def _sync(job, fresh):
+    """Copy the fresh row's fields onto the caller's instance, so callers see the new state."""
+    for f in CollectionJob._meta.concrete_fields:
+        setattr(job, f.attname, getattr(fresh, f.attname))
+    return job
 
 
 def cancel_job(job):
     """Cancel; running workers stop within ~1 s. Raises models.InvalidTransition when it does not fit."""
-    raise NotImplementedError
+    with transaction.atomic():
+        fresh = _locked(job)
+        fresh.cancel()
+    _sync(job, fresh)
+    publish_job_state(job)
+    return job
 
 
 def pause_job(job):
-    raise NotImplementedError
+    """Pause; running workers stop taking new rows within ~1 s, and their chunks go back to pending."""
+    with transaction.atomic():
+        fresh = _locked(job)
+        fresh.pause()
+    _sync(job, fresh)
+    publish_job_state(job)
+    return job
 
 
-def resume_job(job):
-    """Resume a paused, failed or cancelled job: re-dispatch unfinished chunks (exactly-once)."""
-    raise NotImplementedError
+def resume_job(job, launch=True):
+    """Resume a paused, failed or cancelled job: re-dispatch unfinished chunks (exactly-once).
+    With launch=False (the CLI's inline runner) nothing is sent to Celery."""
+    with transaction.atomic():
+        fresh = _locked(job)
+        fresh.resume()
+        if launch:
+            if not dispatch_chunks(fresh):
+                _dispatch_finalize(fresh)  # every chunk was already done: only the finalization is missing
+    _sync(job, fresh)
+    publish_job_state(job)
+    return job
 
 
-def retry_failed(job):
-    """Delete the job's failed rollouts and collect those (task, repeat) pairs again."""
-    raise NotImplementedError
+def retry_failed(job, launch=True):
+    """Delete the job's failed rollouts and collect those (task, repeat) pairs again.
+
+    Chunks are reopened and re-run; each chunk skips the pairs already stored, so only the deleted
+    (failed) pairs are collected again."""
+    with transaction.atomic():
+        fresh = _locked(job)
+        fresh._check("retry_failed")
+        deleted, _ = Rollout.objects.filter(job=fresh, status=Rollout.Status.FAILED).delete()
+        JobChunk.objects.filter(job=fresh).update(state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None,
+                                                  finished_at=None)
+        refresh_counts(fresh)
+        fresh.reopen_for_retry()
+        if launch:
+            dispatch_chunks(fresh)
+    _sync(job, fresh)
+    logger.info("job %s: retrying %d failed rollouts", job.pk, deleted)
+    publish_job_state(job)
+    return job
+
+
+def set_parallelism(job, parallelism):
+    """Change parallelism while the job runs; workers apply it within ~1 s."""
+    if not isinstance(parallelism, int) or isinstance(parallelism, bool) or parallelism < 1:
+        raise ValidationError({"parallelism": "must be an integer >= 1"})
+    CollectionJob.objects.filter(pk=job.pk).update(parallelism_override=parallelism)
+    job.parallelism_override = parallelism
+    return job
+
+
+# --- counts and finalization -------------------------------------------------------------------
+def refresh_counts(job):
+    """Recompute completed/failed from the rollouts table (the source of truth) and save them."""
+    counts = dict(Rollout.objects.filter(job_id=job.pk).values_list("status").annotate(n=Count("id")).order_by())
+    job.completed_count = counts.get(Rollout.Status.OK, 0)
+    job.failed_count = counts.get(Rollout.Status.FAILED, 0)
+    CollectionJob.objects.filter(pk=job.pk).update(completed_count=job.completed_count, failed_count=job.failed_count)
+    return job
+
+
+TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
+
+
+def compute_summaries(job, batch_size=2000):
+    """(aggregate_metrics, timing_summary) over the job's stored rows, streamed in constant memory.
+    Aggregates are over the successful output rows (NeMo Gym's output file); timings over every row."""
+    from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
+
+    agg = AggregateAccumulator()
+    timing = TimingAccumulator()
+    qs = (Rollout.objects.filter(job_id=job.pk).order_by()
+          .values_list("status", "data", "failure_class", *TIMING_FIELDS))
+    for status, data, failure_class, *timings in qs.iterator(chunk_size=batch_size):
+        timing.add(**dict(zip(TIMING_FIELDS, timings)))
+        if status == Rollout.Status.OK:
+            agg.add(data)
+    return agg.result(), timing.result()
+
+
+def finalize_job(job):
+    """When every chunk is done: store aggregate metrics and the timing summary, then complete.
+    Idempotent and safe to call from several workers at once. Returns the job (refreshed)."""
+    if job.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        job.refresh_from_db()
+        if job.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+            return job
+    aggregate_metrics, timing_summary = compute_summaries(job)
+    with transaction.atomic():
+        fresh = _locked(job)
+        if fresh.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+            return _sync(job, fresh)
+        refresh_counts(fresh)
+        fresh.aggregate_metrics = aggregate_metrics
+        fresh.timing_summary = timing_summary
+        fresh.save(update_fields=["aggregate_metrics", "timing_summary"])
+        fresh.complete()
+    _sync(job, fresh)
+    logger.info("job %s completed: %d ok, %d failed", job.pk, job.completed_count, job.failed_count)
+    publish_job_state(job)
+    return job
+
+
+def fail_job(job, message):
+    """Fail the job with a user-facing message unless it already reached another end state."""
+    with transaction.atomic():
+        fresh = _locked(job)
+        if fresh.state in ACTIVE_RUN_STATES or fresh.state == JobState.PAUSED:
+            fresh.fail(message)
+    _sync(job, fresh)
+    publish_job_state(job)
+    return job
+
+
+# --- the CLI path: every chunk in this process -------------------------------------------------
+def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None):
+    """Run every unfinished chunk of the job in this process, with the same code path as the Celery
+    task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
+    (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
+    when `resume` (rerunning the CLI resumes). Chunks leased by another live process are waited for
+    (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
+    Returns the job, refreshed."""
+    from django.conf import settings
+
+    from .runtime import default_worker_name, run_chunk
+
+    worker_name = worker_name or default_worker_name("inline")
+    wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
+    job.refresh_from_db()
+    if resume and job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED):
+        resume_job(job, launch=False)
+    waited_since = None
+    try:
+        while True:
+            job.refresh_from_db()
+            if job.state not in ACTIVE_RUN_STATES:
+                break
+            chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
+                             .order_by("index").values_list("pk", flat=True))
+            if not chunk_ids:
+                finalize_job(job)
+                break
+            progressed = False
+            for chunk_id in chunk_ids:
+                outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
+                if outcome != "busy":
+                    progressed = True
+                job.refresh_from_db()
+                if job.state not in ACTIVE_RUN_STATES:
+                    break
+            if progressed:
+                waited_since = None
+            else:  # every open chunk is leased by someone else: wait for them or for their lease to expire
+                waited_since = waited_since or time.monotonic()
+                if time.monotonic() - waited_since > wait_for_lease_s:
+                    logger.warning("job %s: chunks still leased by other workers; giving up waiting", job.pk)
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        job.refresh_from_db()
+        if job.state in ACTIVE_RUN_STATES:
+            try:
+                pause_job(job)
+            except InvalidTransition:
+                pass
+        raise
+    job.refresh_from_db()
+    return job
+

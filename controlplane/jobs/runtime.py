@@ -1,0 +1,246 @@
+"""Running one chunk of a job: lease, engine, database sink, outcome. The Celery task and the CLI's
+inline runner both call run_chunk, so there is one code path.
+
+Worker command (threads pool: prefork children are daemonic and cannot host the engine's
+verification process pool; the engine runs in the task's own thread with asyncio.run):
+
+    celery -A controlplane worker -P threads -c 4 -l info
+    celery -A controlplane beat -l info          # schedules tasks.watchdog every ~10 s
+
+Lease protocol: a chunk is taken with one conditional UPDATE (pending, or running with a heartbeat
+older than JOBS_LEASE_TIMEOUT_S); the holder heartbeats on every batch flush, progress tick and
+control poll. A SIGKILLed worker stops heartbeating; the watchdog resets its chunk and dispatches it
+again; the new holder skips every (task, repeat) already stored, and the unique constraint makes any
+overlap harmless, so the job ends with exactly one row per pair.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import uuid
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from workers.engine.types import CollectionSpec
+
+from .models import CollectionJob, JobChunk, JobState
+
+logger = logging.getLogger(__name__)
+
+ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+
+
+def default_worker_name(kind="worker"):
+    return f"{socket.gethostname()}:{os.getpid()}:{kind}:{threading.get_ident() % 100000}"
+
+
+def _stale_before(now=None):
+    return (now or timezone.now()) - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
+
+
+def acquire_lease(chunk_id, lease_owner) -> bool:
+    """Take the chunk if it is pending or its holder stopped heartbeating. One UPDATE on the chunk's
+    own columns: PostgreSQL re-checks the condition under the row lock, so only one taker wins."""
+    now = timezone.now()
+    stale = _stale_before(now)
+    return bool(
+        JobChunk.objects.filter(pk=chunk_id)
+        .filter(Q(state=JobChunk.State.PENDING)
+                | Q(state=JobChunk.State.RUNNING, heartbeat_at__lt=stale)
+                | Q(state=JobChunk.State.RUNNING, heartbeat_at__isnull=True))
+        .update(state=JobChunk.State.RUNNING, lease_owner=lease_owner, heartbeat_at=now, started_at=now,
+                finished_at=None, attempts=F("attempts") + 1)
+    )
+
+
+def release_lease(chunk_id, lease_owner) -> bool:
+    """Give the chunk back (pending) so it can be run again (pause, cancel, failure)."""
+    return bool(JobChunk.objects.filter(pk=chunk_id, lease_owner=lease_owner, state=JobChunk.State.RUNNING)
+                .update(state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None))
+
+
+def build_spec(job, worker_name="") -> CollectionSpec:
+    from controlplane.endpoints.services import endpoint_spec
+
+    return CollectionSpec(
+        endpoint=endpoint_spec(job.endpoint),
+        parallelism=job.effective_parallelism,
+        responses_create_params=dict(job.responses_create_params or {}),
+        verifier=job.verifier,
+        verifier_options=dict(job.verifier_options or {}),
+        verify_mode=job.verify_mode,
+        worker_name=worker_name,
+    )
+
+
+def _mark_running(job_id):
+    """Queued -> running. Returns the job, or None when it is not runnable (paused, cancelled ...)."""
+    with transaction.atomic():
+        job = CollectionJob.objects.select_for_update().select_related("endpoint", "dataset").get(pk=job_id)
+        if job.state not in ACTIVE:
+            return None
+        job.mark_running()
+    from .events import publish_job_state
+
+    publish_job_state(job)
+    return job
+
+
+def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> str:
+    """Run one chunk to its end. Returns the outcome:
+    "done"        every pair of the chunk is stored (the job is finalized when it was the last chunk)
+    "busy"        another live worker holds the lease (nothing done)
+    "skipped"     the chunk is already done, or the job is not runnable (paused, cancelled, finished)
+    "paused" / "cancelled"  the job was paused or cancelled mid-run; the chunk is pending again
+    "failed"      the job was failed with a clear message (fatal engine error or an exception here)
+    "lost_lease"  this worker stalled and another took the chunk over; it finishes the chunk
+    """
+    from . import services
+    from .sink import ChunkTasks, DbControl, DbSink, DbThread
+
+    worker_name = worker_name or default_worker_name()
+    chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job").first()
+    if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in ACTIVE:
+        return "skipped"
+    lease = f"{worker_name}#{uuid.uuid4().hex[:8]}"
+    if not acquire_lease(chunk_id, lease):
+        return "busy"
+    job = None
+    try:
+        job = _mark_running(chunk.job_id)
+        if job is None:
+            release_lease(chunk_id, lease)
+            return "skipped"
+        chunk.refresh_from_db()
+        logger.info("job %s chunk %s (rows %s-%s): started by %s", job.pk, chunk.index, chunk.start_row,
+                    chunk.end_row, worker_name)
+        db = DbThread(name=f"jobs-db-{chunk_id}")
+        try:
+            tasks = ChunkTasks(job=job, chunk=chunk, db=db)
+            sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
+                          on_progress=on_progress)
+            control = DbControl(job=job, db=db, sink=sink)
+            from workers.engine.runner import run_collection
+
+            summary = asyncio.run(run_collection(build_spec(job, worker_name), tasks, sink, control))
+        finally:
+            db.close()
+        logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
+                    job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
+                    "paused" if summary.paused else "cancelled" if summary.cancelled else "finished",
+                    sink.inserted_ok, sink.inserted_failed, sink.duplicates, tasks.skipped, summary.elapsed_s)
+
+        if sink.lease_lost:
+            return "lost_lease"
+        if summary.fatal_error:
+            release_lease(chunk_id, lease)
+            services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
+            return "failed"
+        if summary.paused or summary.cancelled:
+            release_lease(chunk_id, lease)
+            job.refresh_from_db(fields=["state"])
+            if redispatch and job.state in ACTIVE:  # resumed while we were stopping: run it again
+                services.dispatch_chunks(job, [chunk_id])
+            return "paused" if summary.paused else "cancelled"
+        if sink.received < tasks.emitted:
+            release_lease(chunk_id, lease)
+            services.fail_job(job, f"Internal error: the engine returned {sink.received} of {tasks.emitted} "
+                                   f"rollouts of chunk {chunk.index}; resume the job to collect the rest")
+            return "failed"
+        now = timezone.now()
+        if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
+                state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
+            return "lost_lease"
+        if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+            services.finalize_job(job)
+        return "done"
+    except Exception as exc:
+        logger.exception("chunk %s failed", chunk_id)
+        try:
+            release_lease(chunk_id, lease)
+            target = job or CollectionJob.objects.get(pk=chunk.job_id)
+            services.fail_job(target, f"Worker error in chunk {chunk.index}: {type(exc).__name__}: {exc}")
+        except Exception:
+            logger.exception("could not record the failure of chunk %s", chunk_id)
+        return "failed"
+    except BaseException:  # KeyboardInterrupt / SystemExit: give the chunk back at once, then stop
+        try:
+            release_lease(chunk_id, lease)
+        except Exception:
+            pass
+        raise
+
+
+# --- watchdog ---------------------------------------------------------------------------------
+def watchdog(now=None, dispatch=True) -> dict:
+    """Run periodically (Celery beat). Returns what it did.
+    * chunks RUNNING whose heartbeat is older than the lease timeout (a dead worker) go back to
+      pending and are dispatched again;
+    * pending chunks of a runnable job with no live chunk, dispatched long ago (a lost message), are
+      dispatched again;
+    * running jobs without a new rollout for JOBS_STALL_AFTER_S are flagged stalled;
+    * runnable jobs whose chunks are all done are finalized (safety path)."""
+    from . import services
+    from .events import publish_job_state
+
+    now = now or timezone.now()
+    stale = _stale_before(now)
+    report = {"reclaimed": [], "redispatched": [], "stalled": [], "finalized": []}
+
+    stale_chunks = (JobChunk.objects.filter(state=JobChunk.State.RUNNING)
+                    .filter(Q(heartbeat_at__lt=stale) | Q(heartbeat_at__isnull=True))
+                    .values_list("pk", "job_id", "heartbeat_at", "lease_owner"))
+    for chunk_id, job_id, heartbeat_at, owner in list(stale_chunks):
+        if JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.RUNNING, lease_owner=owner,
+                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING, lease_owner=""):
+            logger.warning("job %s chunk %s: lease of %s expired; handing the chunk out again", job_id, chunk_id, owner)
+            report["reclaimed"].append(chunk_id)
+            job = CollectionJob.objects.get(pk=job_id)
+            if dispatch and job.state in ACTIVE:
+                with transaction.atomic():
+                    services.dispatch_chunks(job, [chunk_id])
+
+    # pending chunks whose message may be lost: only for jobs where nothing is live
+    lost_before = now - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))
+    for job in CollectionJob.objects.filter(state__in=ACTIVE):
+        chunks = JobChunk.objects.filter(job=job)
+        if chunks.filter(state=JobChunk.State.RUNNING).exists():
+            continue
+        lost = list(chunks.filter(state=JobChunk.State.PENDING)
+                    .filter(Q(dispatched_at__lt=lost_before) | Q(dispatched_at__isnull=True))
+                    .values_list("pk", flat=True))
+        # a job never launched to Celery (the CLI's inline runner) is left to its runner
+        if lost and dispatch and chunks.exclude(dispatched_at__isnull=True).exists():
+            with transaction.atomic():
+                services.dispatch_chunks(job, lost)
+            report["redispatched"].extend(lost)
+        elif not chunks.exclude(state=JobChunk.State.DONE).exists():
+            if dispatch:
+                transaction.on_commit(lambda job_id=job.pk: _send_finalize(job_id))
+            else:
+                services.finalize_job(job)
+            report["finalized"].append(job.pk)
+
+    stall_before = now - timedelta(seconds=settings.JOBS_STALL_AFTER_S)
+    stalled = CollectionJob.objects.filter(state=JobState.RUNNING, stalled=False).filter(
+        Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before))
+    for job in list(stalled):
+        if CollectionJob.objects.filter(pk=job.pk, stalled=False).update(stalled=True):
+            job.stalled = True
+            logger.warning("job %s: no progress for %.0f s; flagged stalled", job.pk, settings.JOBS_STALL_AFTER_S)
+            publish_job_state(job)
+            report["stalled"].append(job.pk)
+    return report
+
+
+def _send_finalize(job_id):
+    from .tasks import finalize_job_task
+
+    finalize_job_task.delay(job_id)

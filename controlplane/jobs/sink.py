@@ -1,0 +1,433 @@
+"""The engine's database side: DbSink (batched, exactly-once rollout writes, metric samples, progress
+messages), DbControl (pause / cancel / parallelism from the job row) and ChunkTasks (the chunk's
+dataset rows as TaskItems, minus the pairs already stored).
+
+All three share ONE single-thread executor (`DbThread`): every query of a chunk run happens on that
+thread, on one reused connection, and the engine's event loop never waits on the database except
+through `run_in_executor`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from django.conf import settings
+from django.db import DataError, connection, connections, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from workers.engine.materialize import materialize
+from workers.engine.types import ControlState, ProgressTick, RolloutResult
+
+from .events import job_group, progress_payload
+from .models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
+
+logger = logging.getLogger(__name__)
+
+
+class DbThread:
+    """One thread, one database connection, for all of a chunk run's queries."""
+
+    def __init__(self, name="jobs-db"):
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def call(self, fn, *args, **kwargs):
+        """Run fn on the DB thread and wait (from a thread that is not the event loop's)."""
+        return self.executor.submit(fn, *args, **kwargs).result()
+
+    async def acall(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self):
+        try:
+            self.executor.submit(connections.close_all).result(timeout=30)
+        except Exception:  # pragma: no cover - best effort
+            logger.exception("closing the DB thread's connection failed")
+        self.executor.shutdown(wait=True)
+
+
+# --- exactly-once batch insert ------------------------------------------------------------------
+_INSERT_FIELDS = ("job", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "data",
+                  "queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "input_tokens", "output_tokens",
+                  "attempts", "weight_version", "worker", "created_at")
+_SQL_BATCH = 500
+
+
+def _strip_nul(value):
+    """PostgreSQL text and jsonb reject U+0000; a model can emit it. Replace it, recursively."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_strip_nul(k): _strip_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip_nul(v) for v in value]
+    return value
+
+
+def _rollout_values(job_id, worker, r: RolloutResult, now):
+    return {
+        "job": job_id, "task_index": r.task_index, "rollout_index": r.rollout_index,
+        "status": Rollout.Status.OK if r.ok else Rollout.Status.FAILED,
+        "failure_class": (r.failure_class or "")[:40], "error": r.error or "", "reward": r.reward,
+        "data": r.output_row, "queue_ms": r.queue_ms, "ttft_ms": r.ttft_ms, "generation_ms": r.generation_ms,
+        "verify_ms": r.verify_ms, "wall_ms": r.wall_ms,
+        "input_tokens": r.input_tokens if (r.input_tokens or 0) >= 0 else None,
+        "output_tokens": r.output_tokens if (r.output_tokens or 0) >= 0 else None,
+        "attempts": max(0, min(int(r.attempts or 0), 32767)), "weight_version": (r.weight_version or "")[:100],
+        "worker": worker[:200], "created_at": now,
+    }
+
+
+def insert_rollouts(rows: list[dict]) -> list[str]:
+    """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status.
+    Returns the statuses of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
+    if not rows:
+        return []
+    meta = Rollout._meta
+    fields = [meta.get_field(name) for name in _INSERT_FIELDS]
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in fields)
+    conflict = ", ".join(qn(meta.get_field(n).column) for n in ("job", "task_index", "rollout_index"))
+    placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    inserted: list[str] = []
+    for start in range(0, len(rows), _SQL_BATCH):
+        part = rows[start:start + _SQL_BATCH]
+        params = []
+        for row in part:
+            for f in fields:
+                params.append(f.get_db_prep_save(row[f.name], connection))
+        sql = (f"INSERT INTO {qn(meta.db_table)} ({columns}) VALUES {', '.join([placeholder] * len(part))} "
+               f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {qn(meta.get_field('status').column)}")
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            inserted.extend(r[0] for r in cursor.fetchall())
+    return inserted
+
+
+# --- the sink ------------------------------------------------------------------------------------
+class DbSink:
+    """Buffers RolloutResults and writes them in batches (flush_rows rows or every flush_interval_s),
+    exactly once; keeps the job's counters, the chunk's heartbeat, the metric series and the live
+    progress messages up to date. Publishing failures are logged, never raised."""
+
+    def __init__(self, *, job, chunk, lease_owner, worker_name, db: DbThread, on_progress=None, channel_layer=None,
+                 flush_rows=None, flush_interval_s=None, max_publish_per_s=None):
+        self.job_id = job.pk
+        self.chunk_id = chunk.pk
+        self.total = job.total_rollouts
+        self.lease_owner = lease_owner
+        self.worker_name = worker_name
+        self.db = db
+        self.on_progress = on_progress
+        self.flush_rows = flush_rows or settings.JOBS_FLUSH_ROWS
+        self.flush_interval_s = flush_interval_s or settings.JOBS_FLUSH_INTERVAL_S
+        self.min_publish_interval = 1.0 / (max_publish_per_s or settings.JOBS_PROGRESS_MAX_PER_S)
+        if channel_layer is None:
+            from channels.layers import get_channel_layer
+
+            channel_layer = get_channel_layer()
+        self.layer = channel_layer
+        self.group = job_group(job.pk)
+
+        self.buffer: list[RolloutResult] = []
+        self.received = 0  # results handed to us
+        self.inserted_ok = 0  # rows this run actually inserted (not duplicates)
+        self.inserted_failed = 0
+        self.duplicates = 0
+        self.lease_lost = False
+        # the job's state as last read from the database
+        self.job_row = {"completed_count": job.completed_count, "failed_count": job.failed_count,
+                        "state": job.state, "stalled": job.stalled, "total_rollouts": job.total_rollouts,
+                        "parallelism": job.effective_parallelism}
+        self.last_tick: ProgressTick | None = None
+        self._job_stub = job  # for progress_payload's static fields
+
+        self._flush_lock: asyncio.Lock | None = None
+        self._timer: asyncio.Task | None = None
+        self._bg: set[asyncio.Task] = set()
+        self._last_flush = time.monotonic()
+        self._publishing: asyncio.Task | None = None
+        self._publish_dirty = False
+        self._publish_handle: asyncio.TimerHandle | None = None
+        self._last_publish = 0.0
+        self._last_publish_warning = 0.0
+        self._closed = False
+        self._failed_flush: BaseException | None = None
+
+    # -- engine-facing -------------------------------------------------------------------------
+    async def rollout(self, result: RolloutResult) -> None:
+        self._ensure_started()
+        self.buffer.append(result)
+        self.received += 1
+        if len(self.buffer) >= self.flush_rows:
+            # Backpressure: the emitting worker waits for the batch to be written. With one writer
+            # and at most `parallelism` emitters, memory stays bounded.
+            await self._flush()
+
+    async def progress(self, tick: ProgressTick) -> None:
+        self._ensure_started()
+        self.last_tick = tick
+        try:
+            await self.db.acall(self._write_sample, tick)
+        except Exception:
+            logger.exception("job %s: writing a metric sample failed", self.job_id)
+        self._request_publish()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+        await self._flush()
+        if self._publish_handle is not None:
+            self._publish_handle.cancel()
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        await self._publish(final=True)
+
+    # -- flushing -------------------------------------------------------------------------------
+    def _ensure_started(self):
+        if self._flush_lock is None:
+            self._flush_lock = asyncio.Lock()
+            self._timer = asyncio.get_running_loop().create_task(self._flush_timer())
+
+    async def _flush_timer(self):
+        while True:
+            await asyncio.sleep(self.flush_interval_s / 2)
+            if self.buffer and time.monotonic() - self._last_flush >= self.flush_interval_s:
+                try:
+                    await self._flush()
+                except Exception as exc:
+                    # surface the failure to the engine through the next rollout() call
+                    logger.exception("job %s: writing rollouts failed", self.job_id)
+                    self._failed_flush = exc
+                    return
+
+    async def _flush(self):
+        if self._failed_flush is not None:
+            exc, self._failed_flush = self._failed_flush, None
+            raise exc
+        if self._flush_lock is None:
+            self._ensure_started()
+        async with self._flush_lock:
+            self._last_flush = time.monotonic()
+            if not self.buffer:
+                return
+            batch, self.buffer = self.buffer, []
+            ok, failed, job_row, lease_ok = await self.db.acall(self._write_batch, batch)
+        self.inserted_ok += ok
+        self.inserted_failed += failed
+        self.duplicates += len(batch) - ok - failed
+        self.job_row.update(job_row)
+        if not lease_ok and not self.lease_lost:
+            self.lease_lost = True
+            logger.warning("job %s chunk %s: lease lost (another worker took the chunk)", self.job_id, self.chunk_id)
+        self._request_publish()
+
+    def _write_batch(self, batch: list[RolloutResult]):
+        """On the DB thread: insert, bump the job's counters by what was really inserted, heartbeat."""
+        now = timezone.now()
+        rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
+        try:
+            with transaction.atomic():
+                statuses = insert_rollouts(rows)
+                ok, failed = self._bump(statuses, now)
+        except DataError:
+            # e.g. a NUL character in a response: clean the batch and write it again
+            for row in rows:
+                row["data"], row["error"] = _strip_nul(row["data"]), _strip_nul(row["error"])
+            with transaction.atomic():
+                statuses = insert_rollouts(rows)
+                ok, failed = self._bump(statuses, now)
+        lease_ok = self._heartbeat(now)
+        job_row = self._read_job()
+        return ok, failed, job_row, lease_ok
+
+    def _bump(self, statuses, now):
+        ok = sum(1 for s in statuses if s == Rollout.Status.OK)
+        failed = len(statuses) - ok
+        if statuses:
+            CollectionJob.objects.filter(pk=self.job_id).update(
+                completed_count=F("completed_count") + ok, failed_count=F("failed_count") + failed,
+                last_progress_at=now, stalled=False,
+            )
+        return ok, failed
+
+    def _heartbeat(self, now=None) -> bool:
+        return bool(JobChunk.objects.filter(pk=self.chunk_id, lease_owner=self.lease_owner,
+                                            state=JobChunk.State.RUNNING).update(heartbeat_at=now or timezone.now()))
+
+    def _read_job(self):
+        row = CollectionJob.objects.filter(pk=self.job_id).values(
+            "completed_count", "failed_count", "state", "stalled", "total_rollouts", "num_samples_in_parallel",
+            "parallelism_override").first() or {}
+        if row:
+            row["parallelism"] = row.pop("parallelism_override") or row.pop("num_samples_in_parallel")
+            row.pop("num_samples_in_parallel", None)
+        return row
+
+    def _write_sample(self, tick: ProgressTick):
+        now = timezone.now()
+        JobMetricSample.objects.create(
+            job_id=self.job_id, worker=self.worker_name[:200], t=now, elapsed_s=tick.elapsed_s,
+            completed=max(0, tick.completed), failed=max(0, tick.failed), samples_per_s=tick.samples_per_s,
+            output_tokens_per_s=tick.output_tokens_per_s, in_flight=max(0, tick.in_flight),
+            parallelism=max(0, tick.parallelism), errors=tick.errors or {}, extra=tick.extra or {},
+        )
+        if not self._heartbeat(now) and not self.lease_lost:
+            self.lease_lost = True
+            logger.warning("job %s chunk %s: lease lost (another worker took the chunk)", self.job_id, self.chunk_id)
+        self.job_row.update(self._read_job())
+
+    # -- progress messages ----------------------------------------------------------------------
+    def payload(self) -> dict:
+        tick = self.last_tick
+        job = self._job_stub
+        row = self.job_row
+        job.total_rollouts = row.get("total_rollouts", job.total_rollouts)
+        return progress_payload(
+            job, completed=row.get("completed_count", 0), failed=row.get("failed_count", 0),
+            state=row.get("state", job.state), stalled=row.get("stalled", False),
+            in_flight=tick.in_flight if tick else 0,
+            parallelism=tick.parallelism if tick else row.get("parallelism"),
+            samples_per_s=tick.samples_per_s if tick else 0.0,
+            output_tokens_per_s=tick.output_tokens_per_s if tick else 0.0,
+            errors=tick.errors if tick else {},
+        )
+
+    def _request_publish(self):
+        """Coalesce: at most one message per min_publish_interval; the latest state always goes out."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last_publish + self.min_publish_interval - time.monotonic()
+        if self._publishing is not None and not self._publishing.done():
+            self._publish_dirty = True
+            return
+        if wait > 0:
+            if self._publish_handle is None:
+                self._publish_handle = loop.call_later(wait, self._publish_later)
+            return
+        self._publishing = loop.create_task(self._publish())
+
+    def _publish_later(self):
+        self._publish_handle = None
+        self._request_publish()
+
+    async def _publish(self, final=False):
+        self._last_publish = time.monotonic()
+        self._publish_dirty = False
+        message = self.payload()
+        if self.on_progress is not None:
+            try:
+                self.on_progress(message)
+            except Exception:
+                logger.exception("on_progress callback failed")
+        if self.layer is not None:
+            try:
+                await asyncio.wait_for(self.layer.group_send(self.group, message), timeout=2.0)
+            except Exception as exc:  # Redis down or slow: the run goes on
+                now = time.monotonic()
+                if now - self._last_publish_warning > 30:
+                    self._last_publish_warning = now
+                    logger.warning("job %s: progress publish failed (%s: %s); continuing", self.job_id,
+                                   type(exc).__name__, exc)
+        if self._publish_dirty and not final and not self._closed:
+            self._publish_dirty = False
+            loop = asyncio.get_running_loop()
+            if self._publish_handle is None:
+                self._publish_handle = loop.call_later(self.min_publish_interval, self._publish_later)
+
+
+# --- control -------------------------------------------------------------------------------------
+class DbControl:
+    """Polled by the engine (in its control thread): reads the job row on the DB thread."""
+
+    def __init__(self, *, job, db: DbThread, sink: DbSink | None = None):
+        self.job_id = job.pk
+        self.db = db
+        self.sink = sink
+        self.parallelism = job.effective_parallelism
+        self.last = ControlState()
+
+    def _read(self):
+        return CollectionJob.objects.filter(pk=self.job_id).values_list(
+            "state", "parallelism_override", "num_samples_in_parallel").first()
+
+    def poll(self) -> ControlState:
+        if self.sink is not None and self.sink.lease_lost:
+            return ControlState(action="cancel")
+        try:
+            row = self.db.call(self._read)
+        except Exception:
+            logger.exception("job %s: polling the job state failed; keeping the last state", self.job_id)
+            return self.last
+        if row is None:  # the job was deleted
+            return ControlState(action="cancel")
+        state, override, requested = row
+        if state == JobState.PAUSED:
+            action = "pause"
+        elif state in (JobState.QUEUED, JobState.RUNNING):
+            action = "run"
+        else:  # cancelled, failed (another chunk hit a fatal error), completed
+            action = "cancel"
+        parallelism = override or requested
+        change = None
+        if parallelism and parallelism != self.parallelism:
+            self.parallelism = change = parallelism
+        self.last = ControlState(action=action)
+        return ControlState(action=action, parallelism=change)
+
+
+# --- tasks -----------------------------------------------------------------------------------------
+class ChunkTasks:
+    """The chunk's TaskItems in NeMo Gym order, read a page at a time on the DB thread (one page
+    prefetched), skipping the (task_index, rollout_index) pairs already stored for the job."""
+
+    def __init__(self, *, job, chunk, db: DbThread, page_rows=1000):
+        self.job_id = job.pk
+        self.dataset = job.dataset
+        self.num_repeats = job.num_repeats
+        end = chunk.end_row
+        if job.limit:
+            end = min(end, job.limit)
+        self.start, self.end = chunk.start_row, end
+        self.db = db
+        self.page_rows = page_rows
+        self.emitted = 0
+        self.skipped = 0
+
+    def _page(self, start):
+        from controlplane.datasets.services import iter_rows
+
+        stop = min(start + self.page_rows, self.end)
+        rows = list(iter_rows(self.dataset, start, stop))
+        task_ids = set()
+        for index, row in rows:
+            try:
+                task_ids.add(int(row.get("_ng_task_index", index)))
+            except (TypeError, ValueError):
+                pass  # materialize() raises the clear error
+        existing = set()
+        if task_ids:
+            existing = set(Rollout.objects.filter(job_id=self.job_id, task_index__in=task_ids)
+                           .values_list("task_index", "rollout_index"))
+        return rows, existing, stop
+
+    def __iter__(self):
+        if self.start >= self.end:
+            return
+        future = self.db.executor.submit(self._page, self.start)
+        while future is not None:
+            rows, existing, stop = future.result()
+            future = self.db.executor.submit(self._page, stop) if stop < self.end else None
+            for item in materialize(rows, self.num_repeats):
+                if (item.task_index, item.rollout_index) in existing:
+                    self.skipped += 1
+                    continue
+                self.emitted += 1
+                yield item

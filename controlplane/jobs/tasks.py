@@ -1,0 +1,34 @@
+"""Celery entry points: thin, idempotent, taking ids. The logic is in runtime.py and services.py.
+
+Run workers with the threads pool (the engine runs in the task's thread under asyncio.run; prefork
+children are daemonic and cannot start the engine's verification process pool):
+
+    celery -A controlplane worker -P threads -c 4 -l info
+    celery -A controlplane beat -l info     # tasks.watchdog every JOBS_WATCHDOG_INTERVAL_S (10 s)
+"""
+from __future__ import annotations
+
+from celery import shared_task
+
+from . import runtime, services
+from .models import CollectionJob
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_chunk_task(chunk_id: int) -> str:
+    """Run one chunk. Idempotent: a duplicate or redelivered message finds the chunk leased or done."""
+    return runtime.run_chunk(chunk_id, runtime.default_worker_name("celery"))
+
+
+@shared_task(ignore_result=True)
+def watchdog() -> dict:
+    """Reclaim chunks of dead workers, re-send lost chunks, flag stalled jobs, finalize stragglers."""
+    return runtime.watchdog()
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def finalize_job_task(job_id: int) -> str:
+    job = CollectionJob.objects.filter(pk=job_id).first()
+    if job is None:
+        return "missing"
+    return services.finalize_job(job).state
