@@ -1,0 +1,190 @@
+"""Streaming aggregate metrics over NeMo Gym output rows, and timing percentiles.
+
+`AggregateAccumulator` takes output rows one at a time and keeps one `array('d')` per numeric field
+(8 bytes per value) plus a small record per task for pass@k / majority@k, so it can follow a job of any
+size without holding the rows. `result()` gives NeMo Gym-style keys:
+
+    mean/reward, min/reward, max/reward, median/reward, std/reward   (every numeric field)
+    mean/output_tokens ... (usage from `response.usage`: input_tokens, output_tokens, total_tokens,
+                            cached_tokens, reasoning_tokens)
+    pass@1, pass@k (unbiased estimator, k = 1, 2, 4, ... and the largest group size), majority@k
+    num_rows, num_tasks
+
+Numeric fields are the top-level int/float values of a row (booleans and the `_ng_*` indices excluded;
+`responses_create_params` and other nested objects are not scanned, except `response.usage`).
+"""
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any, Iterable
+
+_SKIP = {"_ng_task_index", "_ng_rollout_index"}
+_USAGE_KEYS = (
+    ("input_tokens", ("input_tokens",)),
+    ("output_tokens", ("output_tokens",)),
+    ("total_tokens", ("total_tokens",)),
+    ("cached_tokens", ("input_tokens_details", "cached_tokens")),
+    ("reasoning_tokens", ("output_tokens_details", "reasoning_tokens")),
+)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and not math.isinf(v)
+
+
+def quantile(sorted_values, q: float) -> float:
+    """Linear-interpolated quantile (numpy's default) of an already sorted sequence."""
+    n = len(sorted_values)
+    if n == 0:
+        return float("nan")
+    pos = (n - 1) * q
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac)
+
+
+def describe(values) -> dict[str, float]:
+    """mean, min, max, median, std (population) of a non-empty sequence of floats."""
+    n = len(values)
+    s = sorted(values)
+    mean = math.fsum(s) / n
+    var = math.fsum((x - mean) ** 2 for x in s) / n
+    return {"mean": mean, "min": s[0], "max": s[-1], "median": quantile(s, 0.5), "std": math.sqrt(var)}
+
+
+def timing_percentiles(values: Iterable[float]) -> dict[str, float | None]:
+    """{p50, p90, p99} of the values (None entries ignored); all None when there are none."""
+    s = sorted(v for v in values if v is not None)
+    if not s:
+        return {"p50": None, "p90": None, "p99": None}
+    return {"p50": quantile(s, 0.5), "p90": quantile(s, 0.9), "p99": quantile(s, 0.99)}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimator (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError("k must be <= n")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class _Group:
+    __slots__ = ("n", "c", "answers")
+
+    def __init__(self):
+        self.n = 0
+        self.c = 0
+        self.answers: dict[str, list] | None = None  # extracted answer -> [count, correct?, first seen order]
+
+
+class AggregateAccumulator:
+    """Aggregate metrics over output rows, added one at a time (see the module docstring)."""
+
+    def __init__(self, reward_threshold: float = 1.0, answer_field: str = "extracted_answer"):
+        self.reward_threshold = reward_threshold
+        self.answer_field = answer_field
+        self.fields: dict[str, array] = {}
+        self.groups: dict[Any, _Group] = {}
+        self.num_rows = 0
+
+    def _push(self, key: str, value: float):
+        arr = self.fields.get(key)
+        if arr is None:
+            arr = self.fields[key] = array("d")
+        arr.append(float(value))
+
+    def add(self, row: dict) -> None:
+        self.num_rows += 1
+        for key, value in row.items():
+            if key in _SKIP:
+                continue
+            if _is_number(value):
+                self._push(key, value)
+        response = row.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict):
+            for name, path in _USAGE_KEYS:
+                v: Any = usage
+                for p in path:
+                    v = v.get(p) if isinstance(v, dict) else None
+                if _is_number(v) and name not in row:
+                    self._push(name, v)
+
+        reward = row.get("reward")
+        if _is_number(reward):
+            task = row.get("_ng_task_index")
+            group = self.groups.get(task)
+            if group is None:
+                group = self.groups[task] = _Group()
+            group.n += 1
+            correct = reward >= self.reward_threshold
+            group.c += int(correct)
+            answer = row.get(self.answer_field)
+            if answer is not None:
+                if group.answers is None:
+                    group.answers = {}
+                slot = group.answers.get(str(answer))
+                if slot is None:
+                    group.answers[str(answer)] = [1, correct, len(group.answers)]
+                else:
+                    slot[0] += 1
+                    slot[1] = slot[1] or correct
+
+    def add_many(self, rows: Iterable[dict]) -> "AggregateAccumulator":
+        for row in rows:
+            self.add(row)
+        return self
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_rows": self.num_rows}
+        for key in sorted(self.fields):
+            for stat, value in describe(self.fields[key]).items():
+                out[f"{stat}/{key}"] = value
+        if self.groups:
+            out["num_tasks"] = len(self.groups)
+            sizes = {g.n for g in self.groups.values()}
+            kmax = max(sizes)
+            ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= kmax} | {kmax})
+            for k in ks:
+                eligible = [g for g in self.groups.values() if g.n >= k]
+                if eligible:
+                    out[f"pass@{k}"] = math.fsum(pass_at_k(g.n, g.c, k) for g in eligible) / len(eligible)
+            if kmax > 1:
+                with_answers = [g for g in self.groups.values() if g.answers]
+                if with_answers:
+                    hits = 0
+                    for g in with_answers:
+                        # most common answer; ties go to the answer seen first
+                        best = max(g.answers.values(), key=lambda s: (s[0], -s[2]))
+                        hits += bool(best[1])
+                    out[f"majority@{kmax}"] = hits / len(with_answers)
+        return out
+
+
+class TimingAccumulator:
+    """Per-rollout timings (queue/ttft/generation/verify/wall, in ms) -> percentiles and means."""
+
+    NAMES = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
+
+    def __init__(self, names: Iterable[str] = NAMES):
+        self.values: dict[str, array] = {n: array("d") for n in names}
+
+    def add(self, result: Any = None, **timings: float | None) -> None:
+        """Add the timings of a RolloutResult (or any object with those attributes), or keyword values."""
+        for name, arr in self.values.items():
+            v = timings.get(name) if name in timings else getattr(result, name, None)
+            if v is not None:
+                arr.append(float(v))
+
+    def result(self) -> dict[str, dict[str, float | None]]:
+        out = {}
+        for name, arr in self.values.items():
+            stats: dict[str, float | None] = timing_percentiles(arr)
+            stats["mean"] = (math.fsum(arr) / len(arr)) if arr else None
+            stats["max"] = max(arr) if arr else None
+            stats["count"] = len(arr)
+            out[name] = stats
+        return out
