@@ -154,6 +154,12 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
+    "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.UserRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": env("API_THROTTLE_USER_RATE", default="1200/min"),
+        "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
+    },
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Rollout control plane API",

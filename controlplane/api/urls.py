@@ -1,4 +1,25 @@
-from django.urls import path
+from django.urls import include, path, re_path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from . import views
+from .auth import ObtainTokenView
 
 app_name = "api"
-urlpatterns: list = []
+
+router = DefaultRouter()
+router.include_root_view = False
+router.register("datasets", views.DatasetViewSet, basename="dataset")
+router.register("endpoints", views.EndpointViewSet, basename="endpoint")
+router.register("jobs", views.JobViewSet, basename="job")
+
+urlpatterns = [
+    path("auth/token/", ObtainTokenView.as_view(), name="token"),
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
+    path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),
+    re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/rollouts/$", views.JobRolloutsView.as_view(), name="job-rollouts"),
+    re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/metrics/$", views.JobMetricsView.as_view(), name="job-metrics"),
+    path("", include(router.urls)),
+    re_path(r"^.*/$", views.ApiNotFound.as_view(), name="not-found"),
+]

@@ -1,0 +1,282 @@
+"""Serializers: shape and validate; no domain logic here (that lives in the apps' services)."""
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from controlplane.access import visible_datasets, visible_endpoints
+from controlplane.datasets.models import Dataset
+from controlplane.endpoints.models import Endpoint
+from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+class DatasetSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
+    job_count = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Dataset
+        fields = ["id", "name", "description", "source_filename", "status", "row_count", "bad_line_count",
+                  "size_bytes", "sha256", "owner", "created_at", "job_count"]
+        read_only_fields = fields
+
+    def get_job_count(self, obj) -> int:
+        return obj.jobs.count()
+
+
+class DatasetDetailSerializer(DatasetSerializer):
+    class Meta(DatasetSerializer.Meta):
+        fields = [*DatasetSerializer.Meta.fields, "validation_report"]
+        read_only_fields = fields
+
+
+class DatasetUploadSerializer(serializers.Serializer):
+    """multipart/form-data: `file` plus the fields below. For a raw `application/x-ndjson` body the same
+    fields are query parameters (`?name=...&accept_partial=true`)."""
+
+    file = serializers.FileField(help_text="A NeMo Gym JSONL task file")
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True,
+                                 help_text="Defaults to the uploaded file's name")
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+    accept_partial = serializers.BooleanField(required=False, default=False,
+                                              help_text="Keep the good lines of a file with bad lines")
+
+
+class DatasetUploadQuerySerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+    accept_partial = serializers.BooleanField(required=False, default=False)
+
+
+class BadLineSerializer(serializers.Serializer):
+    line = serializers.IntegerField()
+    reason = serializers.CharField()
+
+
+class DatasetRejectedSerializer(serializers.Serializer):
+    detail = serializers.CharField()
+    bad_lines = BadLineSerializer(many=True)
+    bad_line_count = serializers.IntegerField()
+    truncated = serializers.BooleanField(required=False)
+
+
+class RowsQuerySerializer(serializers.Serializer):
+    offset = serializers.IntegerField(min_value=0, max_value=2**31 - 1, default=0)
+    limit = serializers.IntegerField(min_value=1, max_value=100, default=20)
+
+
+class DatasetRowSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    data = serializers.JSONField()
+
+
+class DatasetRowsSerializer(serializers.Serializer):
+    dataset = serializers.IntegerField()
+    row_count = serializers.IntegerField()
+    offset = serializers.IntegerField()
+    limit = serializers.IntegerField()
+    rows = DatasetRowSerializer(many=True)
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+
+
+class EndpointSerializer(serializers.ModelSerializer):
+    api_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500,
+                                    style={"input_type": "password"},
+                                    help_text="Write-only: never returned; see has_api_key")
+    has_api_key = serializers.BooleanField(read_only=True)
+    owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
+    replica_urls = serializers.ListField(child=serializers.URLField(max_length=500), required=False,
+                                         max_length=256, help_text="Extra replica base URLs")
+    request_timeout_s = serializers.FloatField(min_value=0.1, max_value=86400, required=False)
+    connect_timeout_s = serializers.FloatField(min_value=0.1, max_value=3600, required=False)
+    max_retries = serializers.IntegerField(min_value=0, max_value=100, required=False)
+    rpm_limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
+    tpm_limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
+
+    class Meta:
+        model = Endpoint
+        fields = ["id", "name", "kind", "base_url", "replica_urls", "model_name", "api_flavor", "api_key",
+                  "has_api_key", "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit",
+                  "tpm_limit", "last_health", "last_health_at", "owner", "created_at"]
+        read_only_fields = ["id", "has_api_key", "last_health", "last_health_at", "owner", "created_at"]
+
+
+class EndpointHealthSerializer(serializers.Serializer):
+    endpoint = serializers.IntegerField()
+    health = serializers.JSONField()
+    checked_at = serializers.DateTimeField(allow_null=True)
+
+
+class EndpointPrewarmSerializer(serializers.Serializer):
+    endpoint = serializers.IntegerField()
+    result = serializers.JSONField()
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+def _known_verifiers():
+    from workers.verifiers import VERIFIERS
+
+    return sorted(VERIFIERS)
+
+
+@extend_schema_field(OpenApiTypes.INT)
+class VisiblePrimaryKeyField(serializers.PrimaryKeyRelatedField):
+    """A related id the requesting user may see; other users' ids read as 'does not exist'."""
+
+    def __init__(self, visible, **kw):
+        self._visible = visible
+        super().__init__(**kw)
+
+    def get_queryset(self):
+        request = self.context.get("request")
+        return self._visible(getattr(request, "user", None))
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool):
+            self.fail("incorrect_type", data_type=type(data).__name__)
+        try:
+            if int(data) > 2**63 - 1 or int(data) < 0:
+                self.fail("does_not_exist", pk_value=data)
+        except (TypeError, ValueError):
+            self.fail("incorrect_type", data_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+
+class JobCreateSerializer(serializers.Serializer):
+    """Every parameter of ng_collect_rollouts, plus the verifier and distribution settings."""
+
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    dataset = VisiblePrimaryKeyField(visible_datasets, help_text="Dataset id (status ready)")
+    endpoint = VisiblePrimaryKeyField(visible_endpoints, help_text="Endpoint id")
+    limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True, default=None,
+                                     help_text="Keep the first N dataset rows")
+    num_repeats = serializers.IntegerField(min_value=1, max_value=10000, default=1)
+    num_samples_in_parallel = serializers.IntegerField(min_value=1, max_value=65536, default=16)
+    parallelism_auto = serializers.BooleanField(default=False)
+    responses_create_params = serializers.DictField(required=False, default=dict,
+                                                    help_text="Overrides merged into every row (temperature, top_p, max_output_tokens, ...)")
+    verifier = serializers.CharField(max_length=50, default="math")
+    verifier_options = serializers.DictField(required=False, default=dict)
+    verify_mode = serializers.ChoiceField(choices=CollectionJob.VerifyMode.choices, default="inline")
+    chunk_size = serializers.IntegerField(min_value=1, max_value=10_000_000, default=5000)
+    profiling_enabled = serializers.BooleanField(default=False)
+
+    def validate_verifier(self, value):
+        known = _known_verifiers()
+        if value not in known:
+            raise serializers.ValidationError(f"unknown verifier {value!r}; known: {', '.join(known)}")
+        return value
+
+    def validate_dataset(self, value):
+        if value.status != Dataset.Status.READY:
+            raise serializers.ValidationError(f"dataset {value.pk} is {value.status}, not ready")
+        return value
+
+
+class ProgressSerializer(serializers.Serializer):
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+    done = serializers.IntegerField()
+    fraction = serializers.FloatField()
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
+    progress = serializers.SerializerMethodField()
+
+    class Meta:
+        model = CollectionJob
+        fields = ["id", "name", "state", "dataset", "endpoint", "limit", "num_repeats", "num_samples_in_parallel",
+                  "parallelism_auto", "responses_create_params", "verifier", "verifier_options", "verify_mode",
+                  "chunk_size", "profiling_enabled", "idempotency_key", "progress", "stalled", "error_message",
+                  "owner", "created_at", "started_at", "finished_at", "last_progress_at"]
+        read_only_fields = fields
+
+    @extend_schema_field(ProgressSerializer)
+    def get_progress(self, job):
+        return {"total": job.total_rollouts, "completed": job.completed_count, "failed": job.failed_count,
+                "done": job.done_count, "fraction": job.progress_fraction}
+
+
+class JobDetailSerializer(JobSerializer):
+    elapsed_s = serializers.SerializerMethodField()
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "aggregate_metrics", "timing_summary", "elapsed_s"]
+        read_only_fields = fields
+
+    def get_elapsed_s(self, job) -> float | None:
+        if not job.started_at:
+            return None
+        from django.utils import timezone
+
+        end = job.finished_at or timezone.now()
+        return max(0.0, (end - job.started_at).total_seconds())
+
+
+class JobListQuerySerializer(serializers.Serializer):
+    state = serializers.MultipleChoiceField(choices=JobState.choices, required=False,
+                                            help_text="One or more states (repeat the parameter or comma-separate)")
+    dataset = serializers.IntegerField(min_value=1, max_value=2**63 - 1, required=False)
+    endpoint = serializers.IntegerField(min_value=1, max_value=2**63 - 1, required=False)
+    created_after = serializers.DateTimeField(required=False, help_text="ISO 8601; inclusive")
+    created_before = serializers.DateTimeField(required=False, help_text="ISO 8601; exclusive")
+
+
+class FiniteFloatField(serializers.FloatField):
+    def to_internal_value(self, data):
+        import math
+
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            raise serializers.ValidationError("A finite number is required.")
+        return value
+
+
+class RolloutQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=Rollout.Status.choices, required=False)
+    failure_class = serializers.CharField(max_length=40, required=False)
+    reward_min = FiniteFloatField(required=False)
+    reward_max = FiniteFloatField(required=False)
+    wall_ms_min = FiniteFloatField(required=False)
+    wall_ms_max = FiniteFloatField(required=False)
+
+
+class RolloutSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Rollout
+        fields = ["id", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "queue_ms",
+                  "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "input_tokens", "output_tokens", "attempts",
+                  "weight_version", "worker", "created_at", "data"]
+        read_only_fields = fields
+
+
+class MetricQuerySerializer(serializers.Serializer):
+    since = serializers.DateTimeField(required=False, help_text="Only samples at or after this time")
+    worker = serializers.CharField(max_length=200, required=False)
+
+
+class JobMetricSampleSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobMetricSample
+        fields = ["id", "t", "worker", "elapsed_s", "completed", "failed", "samples_per_s", "output_tokens_per_s",
+                  "in_flight", "parallelism", "errors", "extra"]
+        read_only_fields = fields
+
+
+class ExportQuerySerializer(serializers.Serializer):
+    which = serializers.ChoiceField(choices=["ok", "failed"], default="ok")
+
+
+class ErrorSerializer(serializers.Serializer):
+    detail = serializers.CharField()
+    code = serializers.CharField(required=False)
+    state = serializers.CharField(required=False)

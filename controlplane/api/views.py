@@ -1,0 +1,439 @@
+"""REST API views: thin. Validation in serializers, domain logic in the apps' services, ownership in
+controlplane.access (another user's object answers 404, hiding its existence)."""
+from __future__ import annotations
+
+import io
+import logging
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError
+from django.http import StreamingHttpResponse
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import generics, mixins, status, viewsets
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
+from controlplane.jobs.models import CollectionJob, JobMetricSample, Rollout
+
+from . import serializers as s
+from .exceptions import Conflict, api_exception_handler
+from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
+from .parsers import JSONLinesParser, NDJSONParser, NDJSONRenderer
+
+log = logging.getLogger(__name__)
+
+ID_REGEX = r"[0-9]{1,18}"  # fits a bigint; anything else is a 404, never a database error
+NDJSON = "application/x-ndjson"
+
+
+def errors(*codes):
+    """Documented error responses (DRF bodies: {"detail": ...}; 400 carries field errors)."""
+    out = {}
+    for code in codes:
+        if code == 400:
+            out[400] = OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors, by field")
+        else:
+            out[code] = OpenApiResponse(s.ErrorSerializer, description={
+                401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
+                409: "Conflicts with the object's current state", 429: "Throttled"}.get(code, ""))
+    return out
+
+
+READ_ERRORS = (401, 404, 429)
+
+
+class ApiMixin:
+    # Token first, so an anonymous request gets 401 with `WWW-Authenticate: Token`.
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    lookup_value_regex = ID_REGEX
+
+    def get_exception_handler(self):
+        return api_exception_handler
+
+
+def _query(serializer_cls, request):
+    ser = serializer_cls(data=request.query_params)
+    ser.is_valid(raise_exception=True)
+    return ser.validated_data
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+@extend_schema_view(
+    list=extend_schema(summary="List datasets", responses={200: s.DatasetSerializer(many=True), **errors(401, 429)}),
+    retrieve=extend_schema(summary="Dataset detail (with the validation report)",
+                           responses={200: s.DatasetDetailSerializer, **errors(*READ_ERRORS)}),
+    destroy=extend_schema(summary="Delete a dataset (409 while jobs use it)",
+                          responses={204: None, **errors(401, 404, 409, 429)}),
+)
+class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                     viewsets.GenericViewSet):
+    parser_classes = [MultiPartParser, NDJSONParser, JSONLinesParser]
+
+    def get_queryset(self):
+        return visible_datasets(self.request.user).select_related("owner")
+
+    def get_serializer_class(self):
+        return s.DatasetDetailSerializer if self.action == "retrieve" else s.DatasetSerializer
+
+    @extend_schema(
+        summary="Upload a NeMo Gym JSONL dataset (multipart `file`, or a raw application/x-ndjson body)",
+        description="The body is validated while streaming. With bad lines the file is rejected whole (400 with "
+                    "every bad line and its reason) unless accept_partial=true, which keeps the good lines.",
+        request={"multipart/form-data": s.DatasetUploadSerializer, NDJSON: OpenApiTypes.BINARY},
+        parameters=[s.DatasetUploadQuerySerializer],
+        responses={201: s.DatasetDetailSerializer,
+                   400: OpenApiResponse(s.DatasetRejectedSerializer, description="Rejected: the bad-line report, "
+                                        "or field errors"),
+                   **errors(401, 429)},
+    )
+    def create(self, request, *args, **kwargs):
+        from controlplane.datasets import services
+
+        if request.content_type.split(";")[0].strip() in (NDJSONParser.media_type, JSONLinesParser.media_type):
+            params = _query(s.DatasetUploadQuerySerializer, request)
+            fileobj = request.data.get("file") or io.BytesIO(b"")  # an empty body has no stream
+            source_filename = ""
+        else:
+            data = request.data.copy() if hasattr(request.data, "copy") else dict(request.data)
+            for key, value in request.query_params.items():  # query fallbacks for the form fields
+                data.setdefault(key, value)
+            ser = s.DatasetUploadSerializer(data=data)
+            ser.is_valid(raise_exception=True)
+            params = ser.validated_data
+            fileobj = params["file"]
+            source_filename = getattr(fileobj, "name", "") or ""
+        name = (params.get("name") or source_filename or f"upload {timezone.now():%Y-%m-%d %H:%M:%S}")[:200]
+        try:
+            dataset = services.ingest_jsonl(fileobj, name=name, owner=request.user,
+                                            accept_partial=params.get("accept_partial", False),
+                                            source_filename=source_filename[:500])
+        except services.DatasetValidationError as exc:
+            return Response(_rejection_body(exc), status=status.HTTP_400_BAD_REQUEST)
+        if params.get("description") and not dataset.description:
+            dataset.description = params["description"]
+            dataset.save(update_fields=["description"])
+        return Response(s.DatasetDetailSerializer(dataset).data, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance):
+        n = instance.jobs.count()
+        if n:
+            raise Conflict(f"dataset {instance.pk} is used by {n} job(s); delete those jobs first")
+        from controlplane.datasets.services import delete_dataset
+
+        delete_dataset(instance)  # ProtectedError from a job created meanwhile also answers 409
+
+    @extend_schema(summary="Preview dataset rows", parameters=[s.RowsQuerySerializer],
+                   responses={200: s.DatasetRowsSerializer, **errors(400, *READ_ERRORS)})
+    @action(detail=True, methods=["get"])
+    def rows(self, request, pk=None):
+        from controlplane.datasets.services import iter_rows
+
+        dataset = self.get_object()
+        q = _query(s.RowsQuerySerializer, request)
+        start = q["offset"]
+        rows = [{"index": i, "data": row} for i, row in iter_rows(dataset, start, start + q["limit"])]
+        return Response({"dataset": dataset.pk, "row_count": dataset.row_count, "offset": start,
+                         "limit": q["limit"], "rows": rows})
+
+
+def _rejection_body(exc) -> dict:
+    """DatasetValidationError -> {"detail", "bad_lines": [{"line", "reason"}], "bad_line_count", "truncated"}."""
+    report = getattr(exc, "report", None)
+    if not isinstance(report, dict):
+        report = {}
+    bad_lines = getattr(exc, "bad_lines", None)
+    if bad_lines is None:
+        bad_lines = report.get("bad_lines", [])
+    bad_lines = [
+        {"line": int(b.get("line", 0)), "reason": str(b.get("reason", ""))} if isinstance(b, dict)
+        else {"line": int(b[0]), "reason": str(b[1])}
+        for b in bad_lines
+    ]
+    count = getattr(exc, "bad_line_count", None)
+    if count is None:
+        count = report.get("bad_line_count", len(bad_lines))
+    body = {"detail": str(exc) or "the file has bad lines", "bad_lines": bad_lines, "bad_line_count": int(count)}
+    truncated = getattr(exc, "truncated", report.get("truncated"))
+    if truncated is not None:
+        body["truncated"] = bool(truncated)
+    return body
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+
+
+@extend_schema_view(
+    list=extend_schema(summary="List endpoints", responses={200: s.EndpointSerializer(many=True), **errors(401, 429)}),
+    retrieve=extend_schema(summary="Endpoint detail", responses={200: s.EndpointSerializer, **errors(*READ_ERRORS)}),
+    create=extend_schema(summary="Create an endpoint (api_key is write-only)",
+                         responses={201: s.EndpointSerializer, **errors(400, 401, 429)}),
+    update=extend_schema(responses={200: s.EndpointSerializer, **errors(400, *READ_ERRORS)}),
+    partial_update=extend_schema(responses={200: s.EndpointSerializer, **errors(400, *READ_ERRORS)}),
+    destroy=extend_schema(summary="Delete an endpoint (409 while jobs use it)",
+                          responses={204: None, **errors(401, 404, 409, 429)}),
+)
+class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
+    serializer_class = s.EndpointSerializer
+    parser_classes = [JSONParser, FormParser, MultiPartParser]
+
+    def get_queryset(self):
+        return visible_endpoints(self.request.user).select_related("owner")
+
+    def perform_create(self, serializer):
+        serializer.save(owner=self.request.user)
+
+    def perform_destroy(self, instance):
+        n = instance.jobs.count()
+        if n:
+            raise Conflict(f"endpoint {instance.pk} is used by {n} job(s); delete those jobs first")
+        instance.delete()
+
+    @extend_schema(summary="Check the endpoint's health now", request=None,
+                   responses={200: s.EndpointHealthSerializer, **errors(*READ_ERRORS)})
+    @action(detail=True, methods=["post"])
+    def health(self, request, pk=None):
+        from controlplane.endpoints.services import check_health
+
+        endpoint = self.get_object()
+        result = check_health(endpoint)
+        endpoint.refresh_from_db(fields=["last_health", "last_health_at"])
+        health = result if isinstance(result, dict) else (endpoint.last_health or {"result": result})
+        return Response({"endpoint": endpoint.pk, "health": health, "checked_at": endpoint.last_health_at})
+
+    @extend_schema(summary="Pre-warm the endpoint (a few tiny requests per replica)", request=None,
+                   responses={200: s.EndpointPrewarmSerializer, **errors(*READ_ERRORS)})
+    @action(detail=True, methods=["post"])
+    def prewarm(self, request, pk=None):
+        from controlplane.endpoints.services import prewarm
+
+        endpoint = self.get_object()
+        result = prewarm(endpoint)
+        return Response({"endpoint": endpoint.pk, "result": result if result is not None else {}})
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+IDEMPOTENCY_HEADER = OpenApiParameter(
+    "Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=False,
+    description="A client-chosen key (≤ 200 chars). Retrying with the same key returns the job created the first "
+                "time (200) instead of starting a second one (201).")
+
+
+def _job_params_match(job, data) -> bool:
+    return job.dataset_id == data["dataset"].pk and job.endpoint_id == data["endpoint"].pk
+
+
+@extend_schema_view(
+    list=extend_schema(summary="List jobs", parameters=[s.JobListQuerySerializer],
+                       responses={200: s.JobSerializer(many=True), **errors(400, 401, 429)}),
+    retrieve=extend_schema(summary="Job detail: progress, aggregate metrics, timing summary",
+                           responses={200: s.JobDetailSerializer, **errors(*READ_ERRORS)}),
+)
+class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Collection jobs. Another user's job answers 404."""
+
+    parser_classes = [JSONParser, FormParser, MultiPartParser]
+    pagination_class = JobCursorPagination
+
+    def get_queryset(self):
+        qs = visible_jobs(self.request.user).select_related("owner")
+        if self.action == "list":
+            q = _query(s.JobListQuerySerializer, self.request)
+            if q.get("state"):
+                qs = qs.filter(state__in=q["state"])
+            if "dataset" in q:
+                qs = qs.filter(dataset_id=q["dataset"])
+            if "endpoint" in q:
+                qs = qs.filter(endpoint_id=q["endpoint"])
+            if "created_after" in q:
+                qs = qs.filter(created_at__gte=q["created_after"])
+            if "created_before" in q:
+                qs = qs.filter(created_at__lt=q["created_before"])
+        return qs
+
+    def get_serializer_class(self):
+        if self.action == "create":
+            return s.JobCreateSerializer
+        return s.JobDetailSerializer if self.action != "list" else s.JobSerializer
+
+    @extend_schema(
+        summary="Create (and launch) a collection job",
+        parameters=[IDEMPOTENCY_HEADER],
+        request=s.JobCreateSerializer,
+        responses={201: s.JobDetailSerializer,
+                   200: OpenApiResponse(s.JobDetailSerializer, description="Idempotency-Key seen before: that job"),
+                   **errors(400, 401, 409, 429)},
+    )
+    def create(self, request, *args, **kwargs):
+        from controlplane.jobs import services
+
+        key = request.headers.get("Idempotency-Key") or None
+        if key is not None and (len(key) > 200 or "\x00" in key):
+            raise ValidationError({"Idempotency-Key": ["at most 200 characters"]})
+        ser = s.JobCreateSerializer(data=request.data, context=self.get_serializer_context())
+        ser.is_valid(raise_exception=True)
+        data = ser.validated_data
+        if key:
+            existing = CollectionJob.objects.filter(owner=request.user, idempotency_key=key).first()
+            if existing is not None:
+                return self._replay(existing, data)
+        try:
+            job = services.create_job(owner=request.user, idempotency_key=key, launch=True, **data)
+        except IntegrityError:
+            # a concurrent request with the same key won the race
+            existing = key and CollectionJob.objects.filter(owner=request.user, idempotency_key=key).first()
+            if existing:
+                return self._replay(existing, data)
+            raise
+        except DjangoValidationError as exc:
+            raise ValidationError(exc.message_dict if hasattr(exc, "error_dict") else
+                                  {"non_field_errors": exc.messages}) from exc
+        except ValueError as exc:
+            raise ValidationError({"non_field_errors": [str(exc)]}) from exc
+        return Response(s.JobDetailSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    def _replay(self, job, data):
+        if not _job_params_match(job, data):
+            raise Conflict(f"Idempotency-Key already used for job {job.pk} with a different dataset or endpoint")
+        return Response(s.JobDetailSerializer(job).data, status=status.HTTP_200_OK)
+
+    def _transition(self, request, service_name):
+        from controlplane.jobs import services
+
+        job = self.get_object()
+        self._job_for_error = job
+        getattr(services, service_name)(job)
+        job.refresh_from_db()
+        return Response(s.JobDetailSerializer(job).data)
+
+    @extend_schema(summary="Cancel (queued, running or paused jobs)", request=None,
+                   responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        return self._transition(request, "cancel_job")
+
+    @extend_schema(summary="Pause (queued or running jobs)", request=None,
+                   responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
+    @action(detail=True, methods=["post"])
+    def pause(self, request, pk=None):
+        return self._transition(request, "pause_job")
+
+    @extend_schema(summary="Resume a paused, failed or cancelled job (exactly-once)", request=None,
+                   responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
+    @action(detail=True, methods=["post"])
+    def resume(self, request, pk=None):
+        return self._transition(request, "resume_job")
+
+    @extend_schema(summary="Collect the failed rollouts again (finished jobs)", request=None,
+                   responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
+    @action(detail=True, methods=["post"], url_path="retry-failed")
+    def retry_failed(self, request, pk=None):
+        return self._transition(request, "retry_failed")
+
+    @extend_schema(
+        summary="Export rollouts as NeMo Gym JSONL (streamed)",
+        parameters=[s.ExportQuerySerializer],
+        responses={(200, NDJSON): OpenApiResponse(OpenApiTypes.STR, description="One NeMo Gym output row per line"),
+                   **errors(400, *READ_ERRORS)},
+    )
+    @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, NDJSONRenderer])
+    def export(self, request, pk=None):
+        from controlplane.jobs.export import iter_export_lines
+
+        job = self.get_object()
+        which = _query(s.ExportQuerySerializer, request)["which"]
+        response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
+                                         content_type=f"{NDJSON}; charset=utf-8")
+        suffix = "" if which == "ok" else "_failures"
+        response["Content-Disposition"] = f'attachment; filename="job-{job.pk}{suffix}.jsonl"'
+        response["X-Job-State"] = job.state
+        return response
+
+
+def _encode_lines(lines):
+    for line in lines:
+        if isinstance(line, str):
+            line = line.encode("utf-8")
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        yield line
+
+
+class _JobChildList(ApiMixin, generics.ListAPIView):
+    # Lists under /jobs/<id>/...: 404 for a job the user cannot see.
+
+    def get_job(self):
+        job = visible_jobs(self.request.user).filter(pk=self.kwargs["job_id"]).first()
+        if job is None:
+            raise NotFound("No CollectionJob matches the given query.")
+        return job
+
+
+@extend_schema_view(get=extend_schema(summary="A job's rollouts (keyset pagination on id; filters)",
+                                      parameters=[s.RolloutQuerySerializer],
+                                      responses={200: s.RolloutSerializer(many=True), **errors(400, *READ_ERRORS)}))
+class JobRolloutsView(_JobChildList):
+    serializer_class = s.RolloutSerializer
+    pagination_class = IdCursorPagination
+
+    def get_queryset(self):
+        job = self.get_job()
+        q = _query(s.RolloutQuerySerializer, self.request)
+        qs = Rollout.objects.filter(job=job)
+        if "status" in q:
+            qs = qs.filter(status=q["status"])
+        if "failure_class" in q:
+            qs = qs.filter(failure_class=q["failure_class"])
+        if "reward_min" in q:
+            qs = qs.filter(reward__gte=q["reward_min"])
+        if "reward_max" in q:
+            qs = qs.filter(reward__lte=q["reward_max"])
+        if "wall_ms_min" in q:
+            qs = qs.filter(wall_ms__gte=q["wall_ms_min"])
+        if "wall_ms_max" in q:
+            qs = qs.filter(wall_ms__lte=q["wall_ms_max"])
+        return qs
+
+
+@extend_schema_view(get=extend_schema(summary="A job's metric time series (samples/s, tokens/s, in flight, errors)",
+                                      parameters=[s.MetricQuerySerializer],
+                                      responses={200: s.JobMetricSampleSerializer(many=True),
+                                                 **errors(400, *READ_ERRORS)}))
+class JobMetricsView(_JobChildList):
+    serializer_class = s.JobMetricSampleSerializer
+    pagination_class = MetricCursorPagination
+
+    def get_queryset(self):
+        job = self.get_job()
+        q = _query(s.MetricQuerySerializer, self.request)
+        qs = JobMetricSample.objects.filter(job=job)
+        if "since" in q:
+            qs = qs.filter(t__gte=q["since"])
+        if "worker" in q:
+            qs = qs.filter(worker=q["worker"])
+        return qs
+
+
+class ApiNotFound(ApiMixin, APIView):
+    """Anything under /api/ that no route matches: a JSON 404, not the HTML page."""
+
+    permission_classes = []
+    schema = None
+
+    def dispatch(self, request, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+        self.request = self.initialize_request(request, *args, **kwargs)
+        self.headers = self.default_response_headers
+        response = Response({"detail": "Not found."}, status=status.HTTP_404_NOT_FOUND)
+        self.response = self.finalize_response(self.request, response, *args, **kwargs)
+        return self.response
