@@ -213,7 +213,8 @@ class _Run:
         self.max_resident = max(self.target, int(spec.max_resident or 2 * self.target))
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, self.max_resident - self.target))
 
-        self.base_urls = [u.rstrip("/") for u in self.ep.base_urls]
+        # "/v1/..." is appended; an OpenAI-style base URL that already ends in /v1 is accepted as well
+        self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in self.ep.base_urls]
         self.url_inflight = [0] * len(self.base_urls)
         self.rr = 0
         self.headers = {"Authorization": f"Bearer {self.ep.api_key}"} if self.ep.api_key else {}
