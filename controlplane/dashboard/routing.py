@@ -1,1 +1,8 @@
-websocket_urlpatterns: list = []
+from django.urls import path
+
+from .consumers import JobConsumer, OverviewConsumer
+
+websocket_urlpatterns: list = [
+    path("ws/jobs/<int:job_id>/", JobConsumer.as_asgi()),
+    path("ws/overview/", OverviewConsumer.as_asgi()),
+]

@@ -1,0 +1,141 @@
+"""Forms: dataset upload, endpoint, job launch (every ng_collect_rollouts parameter), rollout filters."""
+from __future__ import annotations
+
+import json
+
+from django import forms
+
+from controlplane.endpoints.models import Endpoint
+from controlplane.jobs.models import CollectionJob
+
+FAILURE_CLASSES = ["http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response",
+                   "verifier_error", "cancelled"]
+
+
+class JSONDictField(forms.CharField):
+    widget = forms.Textarea(attrs={"rows": 2, "placeholder": "{}"})
+
+    def to_python(self, value):
+        value = (value or "").strip()
+        if not value:
+            return {}
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise forms.ValidationError(f"not valid JSON: {e}") from e
+        if not isinstance(obj, dict):
+            raise forms.ValidationError("must be a JSON object")
+        return obj
+
+
+class DatasetUploadForm(forms.Form):
+    file = forms.FileField(help_text="NeMo Gym JSONL: one task per line")
+    name = forms.CharField(max_length=200, required=False, help_text="defaults to the file name")
+    accept_partial = forms.BooleanField(required=False, help_text="keep the good lines when some are bad")
+
+
+class EndpointForm(forms.ModelForm):
+    base_url = forms.URLField(max_length=500, assume_scheme="http",
+                              help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
+    replica_urls_text = forms.CharField(required=False, label="Replica URLs", widget=forms.Textarea(attrs={"rows": 2}),
+                                        help_text="one extra base URL per line")
+
+    class Meta:
+        model = Endpoint
+        fields = ["name", "kind", "base_url", "model_name", "api_flavor", "api_key", "request_timeout_s",
+                  "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit"]
+        widgets = {"api_key": forms.PasswordInput(render_value=False)}
+
+    def clean_replica_urls_text(self):
+        urls = [u.strip() for u in (self.cleaned_data.get("replica_urls_text") or "").splitlines() if u.strip()]
+        v = forms.URLField(assume_scheme="http")
+        return [v.clean(u) for u in urls]
+
+
+class LaunchJobForm(forms.Form):
+    name = forms.CharField(max_length=200, required=False)
+    endpoint = forms.ModelChoiceField(queryset=Endpoint.objects.none())
+    limit = forms.IntegerField(min_value=1, required=False, help_text="keep the first N dataset rows")
+    num_repeats = forms.IntegerField(min_value=1, initial=1)
+    num_samples_in_parallel = forms.IntegerField(min_value=1, initial=16)
+    parallelism_auto = forms.BooleanField(required=False, label="Adaptive parallelism")
+    temperature = forms.FloatField(required=False, min_value=0)
+    top_p = forms.FloatField(required=False, min_value=0, max_value=1)
+    max_output_tokens = forms.IntegerField(required=False, min_value=1)
+    service_tier = forms.CharField(required=False, max_length=50)
+    extra_params = JSONDictField(required=False, label="Other responses_create_params",
+                                 help_text='JSON object merged into every row, e.g. {"seed": 1}')
+    verifier = forms.ChoiceField(choices=[])
+    verifier_options = JSONDictField(required=False)
+    verify_mode = forms.ChoiceField(choices=CollectionJob.VerifyMode.choices, initial="inline")
+    chunk_size = forms.IntegerField(min_value=1, initial=5000, help_text="dataset rows per chunk (unit of distribution)")
+    profiling_enabled = forms.BooleanField(required=False)
+    idempotency_key = forms.CharField(required=False, max_length=200)
+
+    def __init__(self, *args, endpoints=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if endpoints is not None:
+            self.fields["endpoint"].queryset = endpoints
+        try:
+            from workers.verifiers import VERIFIERS
+
+            names = sorted(VERIFIERS)
+        except Exception:  # noqa: BLE001
+            names = ["math", "exact", "normalized", "none"]
+        self.fields["verifier"].choices = [(n, n) for n in names]
+        self.fields["verifier"].initial = "math" if "math" in names else names[0]
+
+    def job_kwargs(self) -> dict:
+        d = self.cleaned_data
+        rcp = dict(d.get("extra_params") or {})
+        for k in ("temperature", "top_p", "max_output_tokens", "service_tier"):
+            if d.get(k) not in (None, ""):
+                rcp[k] = d[k]
+        return {
+            "endpoint": d["endpoint"],
+            "name": d.get("name") or "",
+            "limit": d.get("limit"),
+            "num_repeats": d["num_repeats"],
+            "num_samples_in_parallel": d["num_samples_in_parallel"],
+            "parallelism_auto": d.get("parallelism_auto", False),
+            "responses_create_params": rcp,
+            "verifier": d["verifier"],
+            "verifier_options": d.get("verifier_options") or {},
+            "verify_mode": d["verify_mode"],
+            "chunk_size": d["chunk_size"],
+            "profiling_enabled": d.get("profiling_enabled", False),
+            "idempotency_key": d.get("idempotency_key") or None,
+        }
+
+
+class RolloutFilterForm(forms.Form):
+    status = forms.ChoiceField(required=False, choices=[("", "any"), ("ok", "ok"), ("failed", "failed")])
+    failure_class = forms.ChoiceField(required=False, choices=[("", "any")] + [(c, c) for c in FAILURE_CLASSES])
+    reward_min = forms.FloatField(required=False)
+    reward_max = forms.FloatField(required=False)
+    latency_min = forms.FloatField(required=False, label="wall ms ≥")
+    latency_max = forms.FloatField(required=False, label="wall ms ≤")
+    task = forms.IntegerField(required=False, min_value=0, label="task index")
+
+    def apply(self, qs):
+        if not self.is_valid():
+            return qs
+        d = self.cleaned_data
+        if d.get("status"):
+            qs = qs.filter(status=d["status"])
+        if d.get("failure_class"):
+            qs = qs.filter(failure_class=d["failure_class"])
+        if d.get("reward_min") is not None:
+            qs = qs.filter(reward__gte=d["reward_min"])
+        if d.get("reward_max") is not None:
+            qs = qs.filter(reward__lte=d["reward_max"])
+        if d.get("latency_min") is not None:
+            qs = qs.filter(wall_ms__gte=d["latency_min"])
+        if d.get("latency_max") is not None:
+            qs = qs.filter(wall_ms__lte=d["latency_max"])
+        if d.get("task") is not None:
+            qs = qs.filter(task_index=d["task"])
+        return qs
+
+    def is_filtered(self):
+        return self.is_valid() and any(v not in (None, "") for v in self.cleaned_data.values())

@@ -1,0 +1,51 @@
+"""The job page is a list of panels, rendered in order. A panel is a template (it receives the
+page's context: `job`, `snapshot`, ... plus whatever its own context function returns). Later work
+(diagnosis, profiling) adds a panel with `register_panel` from its app's `ready()`:
+
+    from controlplane.dashboard.panels import register_panel
+    register_panel("diagnostics/panels/diagnosis.html", context=lambda request, job: {...}, after="charts")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Panel:
+    name: str
+    template: str
+    context: Callable | None = None  # (request, job) -> dict merged into the panel's context
+
+
+JOB_PANELS: list[Panel] = [
+    Panel("progress", "dashboard/panels/progress.html"),
+    Panel("actions", "dashboard/panels/actions.html"),
+    Panel("charts", "dashboard/panels/charts.html"),
+    Panel("metrics", "dashboard/panels/metrics.html"),
+    Panel("timing", "dashboard/panels/timing.html"),
+    Panel("errors", "dashboard/panels/errors.html"),
+    Panel("parameters", "dashboard/panels/parameters.html"),
+]
+
+
+def register_panel(template: str, *, name: str | None = None, context: Callable | None = None,
+                   after: str | None = None) -> Panel:
+    panel = Panel(name or template, template, context)
+    JOB_PANELS[:] = [p for p in JOB_PANELS if p.name != panel.name]
+    if after is not None:
+        for i, p in enumerate(JOB_PANELS):
+            if p.name == after:
+                JOB_PANELS.insert(i + 1, panel)
+                return panel
+    JOB_PANELS.append(panel)
+    return panel
+
+
+def render_list(request, job) -> list[dict]:
+    """[{name, template, context}] for the page to {% include %} in order."""
+    out = []
+    for p in JOB_PANELS:
+        extra = p.context(request, job) if p.context else {}
+        out.append({"name": p.name, "template": p.template, "context": extra or {}})
+    return out

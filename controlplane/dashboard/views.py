@@ -1,0 +1,410 @@
+"""Dashboard pages. Thin: they read through controlplane.access (ownership rule), call the domain
+services for anything that changes state, and render templates."""
+from __future__ import annotations
+
+import csv
+import json
+from datetime import timedelta
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpResponse, HttpResponseBadRequest, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
+from controlplane.jobs.models import ACTIVE_STATES, InvalidTransition, JobState, Rollout
+
+from . import compare as compare_mod
+from . import heartbeat, live, panels, stats
+from .forms import DatasetUploadForm, EndpointForm, LaunchJobForm, RolloutFilterForm
+from .pagination import keyset_page
+
+RECENT_JOBS = 20
+
+
+def _wants_json(request) -> bool:
+    return request.headers.get("x-requested-with") == "XMLHttpRequest" or "application/json" in request.headers.get("accept", "")
+
+
+def _job_row(job) -> dict:
+    snap = live.job_snapshot(job)
+    return {"job": job, "snapshot": snap}
+
+
+# --- Overview ---------------------------------------------------------------------------------
+def _overview_jobs(user):
+    jobs = visible_jobs(user).select_related("dataset", "endpoint")
+    active = list(jobs.filter(state__in=ACTIVE_STATES).order_by("-created_at")[:50])
+    recent = list(jobs.exclude(state__in=ACTIVE_STATES).order_by("-created_at")[:RECENT_JOBS])
+    return active, recent
+
+
+@login_required
+@require_GET
+def overview(request):
+    active, recent = _overview_jobs(request.user)
+    ctx = {
+        "active": [_job_row(j) for j in active],
+        "recent": [_job_row(j) for j in recent],
+        "endpoints": list(visible_endpoints(request.user)[:50]),
+        "workers": list(heartbeat.alive_workers()),
+        "alive_after_s": heartbeat.ALIVE_AFTER_S,
+        "active_ids": [j.pk for j in active],
+    }
+    return render(request, "dashboard/overview.html", ctx)
+
+
+@login_required
+@require_GET
+def overview_state(request):
+    active, recent = _overview_jobs(request.user)
+    return JsonResponse({
+        "jobs": [live.job_snapshot(j) for j in active + recent],
+        "active_ids": [j.pk for j in active],
+        "workers": [
+            {"name": w.name, "host": w.host, "cpu_percent": w.cpu_percent, "memory_percent": w.memory_percent,
+             "gpus": w.gpus, "last_seen": w.last_seen.isoformat()}
+            for w in heartbeat.alive_workers()
+        ],
+    })
+
+
+# --- Job page ---------------------------------------------------------------------------------
+def _get_job(request, job_id):
+    return get_object_or_404(visible_jobs(request.user).select_related("dataset", "endpoint"), pk=job_id)
+
+
+@login_required
+@require_GET
+def job_detail(request, job_id):
+    job = _get_job(request, job_id)
+    snapshot = live.job_snapshot(job)
+    series = live.metric_series(job)
+    ctx = {
+        "job": job,
+        "snapshot": snapshot,
+        "series": series,
+        "timing": stats.timing_breakdown(job),
+        "rewards": stats.reward_metrics(job),
+        "failures": stats.failures_by_class(job),
+        "panels": panels.render_list(request, job),
+        "can_cancel": job.state in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED),
+        "can_pause": job.state in (JobState.QUEUED, JobState.RUNNING),
+        "can_resume": job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED),
+        "can_retry": job.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED) and job.failed_count > 0,
+        "ws_path": f"/ws/jobs/{job.pk}/",
+    }
+    return render(request, "dashboard/job_detail.html", ctx)
+
+
+@login_required
+@require_GET
+def job_state(request, job_id):
+    """Current state for a (re)connecting page: the progress snapshot and, with ?series=1, the charts."""
+    job = _get_job(request, job_id)
+    out = {"snapshot": live.job_snapshot(job)}
+    if request.GET.get("series"):
+        out["series"] = live.metric_series(job)
+    return JsonResponse(out)
+
+
+JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed"}
+
+
+@login_required
+@require_POST
+def job_action(request, job_id, action):
+    job = _get_job(request, job_id)
+    if action not in JOB_ACTIONS:
+        raise Http404("unknown action")
+    from controlplane.jobs import services
+
+    fn = getattr(services, JOB_ACTIONS[action])
+    try:
+        fn(job)
+    except InvalidTransition as e:
+        messages.error(request, str(e))
+    except NotImplementedError:
+        messages.error(request, f"{action} is not available yet")
+    else:
+        messages.success(request, f"{action}: done")
+    return redirect("dashboard:job", job_id=job.pk)
+
+
+# --- Rollouts ---------------------------------------------------------------------------------
+LIST_FIELDS = ["id", "job_id", "task_index", "rollout_index", "status", "failure_class", "reward", "wall_ms",
+               "ttft_ms", "output_tokens", "attempts", "created_at"]
+
+
+def _int_or_none(v):
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+@login_required
+@require_GET
+def rollouts(request, job_id):
+    job = _get_job(request, job_id)
+    form = RolloutFilterForm(request.GET or None)
+    qs = form.apply(Rollout.objects.filter(job=job).only(*LIST_FIELDS)) if request.GET else Rollout.objects.filter(job=job).only(*LIST_FIELDS)
+    after, before = _int_or_none(request.GET.get("after")), _int_or_none(request.GET.get("before"))
+    size = _int_or_none(request.GET.get("size")) or 50
+    page = keyset_page(qs, after=after, before=before, size=size)
+    page_no = _int_or_none(request.GET.get("page")) or 1
+    params = request.GET.copy()
+    for k in ("after", "before", "page"):
+        params.pop(k, None)
+    base_qs = params.urlencode()
+    ctx = {
+        "job": job,
+        "form": form if request.GET else RolloutFilterForm(),
+        "page": page,
+        "page_no": page_no,
+        "base_qs": base_qs,
+        "filtered": form.is_filtered() if request.GET else False,
+    }
+    return render(request, "dashboard/rollouts.html", ctx)
+
+
+@login_required
+@require_GET
+def rollout_detail(request, rollout_id):
+    r = get_object_or_404(Rollout.objects.select_related("job"), pk=rollout_id)
+    if not can_see(request.user, r.job):
+        raise Http404("no such rollout")
+    data = r.data or {}
+    rcp = data.get("responses_create_params") or {}
+    inp = rcp.get("input")
+    if isinstance(inp, str):
+        messages_in = [{"role": "user", "content": inp}]
+    elif isinstance(inp, list):
+        messages_in = [m if isinstance(m, dict) else {"role": "?", "content": m} for m in inp]
+    else:
+        messages_in = []
+    for m in messages_in:
+        m.setdefault("role", m.get("type", "?"))
+        c = m.get("content")
+        if isinstance(c, list):  # content parts
+            m["content_text"] = "\n".join(str(p.get("text", p)) if isinstance(p, dict) else str(p) for p in c)
+        else:
+            m["content_text"] = "" if c is None else str(c)
+    response = data.get("response") or {}
+    output_texts, reasoning = [], []
+    for item in response.get("output") or []:
+        if not isinstance(item, dict):
+            continue
+        parts = item.get("content") or item.get("summary") or []
+        texts = [p.get("text", "") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [str(parts)]
+        (reasoning if item.get("type") == "reasoning" else output_texts).append("\n".join(t for t in texts if t))
+    skip = {"responses_create_params", "response", "_ng_task_index", "_ng_rollout_index", "reward"}
+    verifier_fields = {k: v for k, v in data.items() if k not in skip}
+    other_params = {k: v for k, v in rcp.items() if k != "input"}
+    prev_id = Rollout.objects.filter(job_id=r.job_id, id__lt=r.id).order_by("-id").values_list("id", flat=True).first()
+    next_id = Rollout.objects.filter(job_id=r.job_id, id__gt=r.id).order_by("id").values_list("id", flat=True).first()
+    ctx = {
+        "r": r,
+        "job": r.job,
+        "messages_in": messages_in,
+        "other_params": json.dumps(other_params, indent=2, ensure_ascii=False),
+        "output_text": "\n\n".join(output_texts),
+        "reasoning_text": "\n\n".join(t for t in reasoning if t),
+        "usage": response.get("usage") or {},
+        "verifier_fields": [(k, v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, ensure_ascii=False))
+                            for k, v in sorted(verifier_fields.items())],
+        "response_status": response.get("status"),
+        "raw": json.dumps(data, indent=2, ensure_ascii=False),
+        "timings": [(f, getattr(r, f)) for f in stats.TIMING_FIELDS],
+        "prev_id": prev_id,
+        "next_id": next_id,
+    }
+    return render(request, "dashboard/rollout_detail.html", ctx)
+
+
+# --- Datasets ---------------------------------------------------------------------------------
+@login_required
+def datasets(request):
+    return render(request, "dashboard/datasets.html", {
+        "datasets": list(visible_datasets(request.user)[:200]),
+        "form": DatasetUploadForm(),
+    })
+
+
+@login_required
+@require_POST
+def dataset_upload(request):
+    form = DatasetUploadForm(request.POST, request.FILES)
+    if not form.is_valid():
+        if _wants_json(request):
+            return JsonResponse({"ok": False, "message": "invalid form", "errors": form.errors}, status=400)
+        return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form}, status=400)
+    from controlplane.datasets.services import DatasetValidationError, ingest_jsonl
+
+    f = form.cleaned_data["file"]
+    name = form.cleaned_data.get("name") or f.name.rsplit(".", 1)[0]
+    try:
+        ds = ingest_jsonl(f, name=name, owner=request.user, accept_partial=form.cleaned_data.get("accept_partial", False),
+                          source_filename=f.name)
+    except DatasetValidationError as e:
+        report = getattr(e, "report", {}) or {}
+        rejected = getattr(e, "dataset", None)
+        payload = {"ok": False, "message": str(e), "report": report,
+                   "dataset_url": reverse("dashboard:dataset", args=[rejected.pk]) if rejected else None}
+        if _wants_json(request):
+            return JsonResponse(payload, status=400)
+        return render(request, "dashboard/datasets.html", {
+            "datasets": list(visible_datasets(request.user)[:200]), "form": form, "upload_error": payload}, status=400)
+    url = reverse("dashboard:dataset", args=[ds.pk])
+    if _wants_json(request):
+        return JsonResponse({"ok": True, "dataset_id": ds.pk, "url": url, "row_count": ds.row_count,
+                             "report": ds.validation_report})
+    return redirect(url)
+
+
+@login_required
+def dataset_detail(request, dataset_id):
+    ds = get_object_or_404(visible_datasets(request.user), pk=dataset_id)
+    endpoints = visible_endpoints(request.user)
+    if request.method == "POST":
+        form = LaunchJobForm(request.POST, endpoints=endpoints)
+        if form.is_valid():
+            from controlplane.jobs.services import create_job
+
+            try:
+                job = create_job(owner=request.user, dataset=ds, **form.job_kwargs())
+            except (ValueError, InvalidTransition) as e:
+                form.add_error(None, str(e))
+            else:
+                messages.success(request, f"job {job.pk} launched")
+                return redirect("dashboard:job", job_id=job.pk)
+    else:
+        form = LaunchJobForm(endpoints=endpoints, initial={"endpoint": endpoints.first()})
+    try:
+        from controlplane.datasets.services import preview_rows
+
+        preview = preview_rows(ds, 10)
+    except ImportError:
+        preview = []
+    for p in preview:
+        p["json"] = json.dumps(p["data"], ensure_ascii=False, indent=1)
+    report = ds.validation_report or {}
+    return render(request, "dashboard/dataset_detail.html", {
+        "ds": ds, "preview": preview, "report": report, "form": form,
+        "jobs": list(visible_jobs(request.user).filter(dataset=ds)[:20]),
+    }, status=200 if request.method == "GET" or form.is_valid() else 400)
+
+
+# --- Endpoints --------------------------------------------------------------------------------
+@login_required
+def endpoints(request):
+    if request.method == "POST":
+        form = EndpointForm(request.POST)
+        if form.is_valid():
+            ep = form.save(commit=False)
+            ep.owner = request.user
+            ep.replica_urls = form.cleaned_data.get("replica_urls_text") or []
+            ep.save()
+            messages.success(request, f"endpoint {ep.name} saved")
+            return redirect("dashboard:endpoints")
+    else:
+        form = EndpointForm()
+    return render(request, "dashboard/endpoints.html", {"endpoints": list(visible_endpoints(request.user)), "form": form})
+
+
+@login_required
+@require_POST
+def endpoint_health(request, endpoint_id):
+    ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
+    try:
+        from controlplane.endpoints.services import check_health
+
+        check_health(ep)
+    except ImportError:
+        messages.error(request, "health checks are not available yet")
+    except Exception as e:  # noqa: BLE001 - show the reason, the page stays up
+        messages.error(request, f"health check failed: {e}")
+    return redirect(request.POST.get("next") or "dashboard:endpoints")
+
+
+# --- Compare ----------------------------------------------------------------------------------
+@login_required
+@require_GET
+def compare(request):
+    ids = []
+    for v in request.GET.getlist("jobs"):
+        ids += [int(x) for x in v.replace(",", " ").split() if x.isdigit()]
+    ids = list(dict.fromkeys(ids))
+    visible = visible_jobs(request.user).select_related("dataset", "endpoint")
+    choices = list(visible.order_by("-created_at")[:100])
+    if len(ids) < 2:
+        return render(request, "dashboard/compare.html", {"choices": choices, "selected": ids, "result": None})
+    by_id = {j.pk: j for j in visible.filter(pk__in=ids)}
+    if len(by_id) != len(ids):
+        raise Http404("no such job")
+    jobs = [by_id[i] for i in ids]
+    return render(request, "dashboard/compare.html", {
+        "choices": choices, "selected": ids, "jobs": jobs, "result": compare_mod.compare_jobs(jobs)})
+
+
+# --- History ----------------------------------------------------------------------------------
+def _history_rows(user, days: int | None):
+    qs = visible_jobs(user).select_related("dataset", "endpoint").exclude(started_at=None)
+    if days:
+        qs = qs.filter(created_at__gte=timezone.now() - timedelta(days=days))
+    jobs = list(qs.order_by("created_at")[:2000])
+    missing = [j.pk for j in jobs if stats.mean_reward(j) is None]
+    live_means = {}
+    if missing:
+        from django.db.models import Avg
+
+        live_means = dict(Rollout.objects.filter(job_id__in=missing, status=Rollout.Status.OK)
+                          .values("job_id").annotate(m=Avg("reward")).values_list("job_id", "m"))
+    rows = []
+    for j in jobs:
+        el = live.elapsed_s(j)
+        rm = stats.mean_reward(j)
+        rows.append({
+            "job": j,
+            "date": j.started_at,
+            "rollouts": j.done_count,
+            "elapsed_s": el,
+            "samples_per_s": (j.done_count / el) if el else None,
+            "mean_reward": rm if rm is not None else live_means.get(j.pk),
+        })
+    return rows
+
+
+@login_required
+@require_GET
+def history(request):
+    days = _int_or_none(request.GET.get("days"))
+    rows = _history_rows(request.user, days)
+    if request.GET.get("format") == "csv":
+        resp = HttpResponse(content_type="text/csv")
+        resp["Content-Disposition"] = 'attachment; filename="throughput_log.csv"'
+        w = csv.writer(resp)
+        w.writerow(["date", "job_id", "name", "state", "dataset", "model", "num_samples_in_parallel", "rollouts",
+                    "elapsed_sec", "samples_per_sec", "avg_reward"])
+        for r in rows:
+            j = r["job"]
+            w.writerow([r["date"].isoformat(), j.pk, j.name, j.state, j.dataset.name, j.endpoint.model_name,
+                        j.num_samples_in_parallel, r["rollouts"],
+                        f"{r['elapsed_s']:.3f}" if r["elapsed_s"] is not None else "",
+                        f"{r['samples_per_s']:.4f}" if r["samples_per_s"] is not None else "",
+                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else ""])
+        return resp
+    chart = {
+        "t": [int(r["date"].timestamp()) for r in rows],
+        "samples_per_s": [r["samples_per_s"] for r in rows],
+        "mean_reward": [r["mean_reward"] for r in rows],
+        "labels": [f"job {r['job'].pk}" for r in rows],
+    }
+    return render(request, "dashboard/history.html", {"rows": list(reversed(rows)), "chart": chart, "days": days})
+
+
+def bad_request(message):
+    return HttpResponseBadRequest(message)
