@@ -190,9 +190,15 @@ class TokenBucket:
 
 
 def _error_reason(exc: BaseException) -> str:
+    """A short, human reason: "Connection refused", "Name or service not known", "Server disconnected"."""
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error is not None:
-        text = str(exc.os_error.strerror or exc.os_error) or text
+    os_error = getattr(exc, "os_error", None) if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    if isinstance(os_error, OSError):
+        errno_ = os_error.errno
+        if isinstance(errno_, int) and errno_ > 0:
+            text = os.strerror(errno_)
+        elif os_error.strerror:
+            text = str(os_error.strerror)
     return text
 
 
