@@ -327,7 +327,7 @@ class DbSink:
                 self.on_progress(message)
             except Exception:
                 logger.exception("on_progress callback failed")
-        if self.layer is not None:
+        if self.layer:
             try:
                 await asyncio.wait_for(self.layer.group_send(self.group, message), timeout=2.0)
             except Exception as exc:  # Redis down or slow: the run goes on
