@@ -1,7 +1,24 @@
-"""Endpoint domain logic: engine spec, health checks, pre-warm."""
+"""Endpoint domain logic: engine spec, health checks, pre-warm, redaction of the API key.
+
+Health and pre-warm are blocking (requests) with short timeouts: they are called from the admin, the
+API, management commands and Celery tasks, never from the engine's event loop. They never raise on
+network errors; they return {"ok": False, "error": "..."} instead. The API key is sent as a bearer
+token and never appears in what these functions return (errors are scrubbed of it).
+"""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import requests
+from django.utils import timezone
+
 from workers.engine.types import EndpointSpec
+
+HEALTH_TIMEOUT_S = 5.0
+PREWARM_TIMEOUT_S = 60.0
+REDACTED = "********"
 
 
 def endpoint_spec(endpoint) -> EndpointSpec:
@@ -16,3 +33,192 @@ def endpoint_spec(endpoint) -> EndpointSpec:
         rpm_limit=endpoint.rpm_limit,
         tpm_limit=endpoint.tpm_limit,
     )
+
+
+# --- redaction -------------------------------------------------------------------------------------
+def normalize_base_url(url: str) -> str:
+    """'http://h:8000/v1/' -> 'http://h:8000' (the model stores base URLs without the /v1 prefix)."""
+    url = (url or "").strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def redact_key(api_key: str | None) -> str:
+    """What may be shown of a key: only whether one is set."""
+    return REDACTED if api_key else ""
+
+
+def redact_text(text: str, *secrets: str | None) -> str:
+    """Remove every occurrence of the given secrets from text (error messages, logs)."""
+    text = str(text)
+    for s in secrets:
+        if s:
+            text = text.replace(s, REDACTED)
+    return text
+
+
+def redacted_dict(endpoint) -> dict[str, Any]:
+    """The endpoint as a plain dict safe to log or show: api_key replaced by has_api_key."""
+    return {
+        "id": endpoint.pk,
+        "name": endpoint.name,
+        "kind": endpoint.kind,
+        "base_url": endpoint.base_url,
+        "replica_urls": list(endpoint.replica_urls or []),
+        "model_name": endpoint.model_name,
+        "api_flavor": endpoint.api_flavor,
+        "has_api_key": bool(endpoint.api_key),
+        "request_timeout_s": endpoint.request_timeout_s,
+        "connect_timeout_s": endpoint.connect_timeout_s,
+        "max_retries": endpoint.max_retries,
+        "rpm_limit": endpoint.rpm_limit,
+        "tpm_limit": endpoint.tpm_limit,
+        "last_health": endpoint.last_health,
+        "last_health_at": endpoint.last_health_at.isoformat() if endpoint.last_health_at else None,
+    }
+
+
+# --- health ----------------------------------------------------------------------------------------
+def _headers(endpoint) -> dict:
+    h = {"Accept": "application/json"}
+    if endpoint.api_key:
+        h["Authorization"] = f"Bearer {endpoint.api_key}"
+    return h
+
+
+def _short_error(exc: BaseException) -> str:
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return "connect timeout"
+    if isinstance(exc, requests.exceptions.ReadTimeout):
+        return "read timeout"
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        inner = str(exc)
+        if "Connection refused" in inner:
+            return "connection refused"
+        if "Name or service not known" in inner or "nodename nor servname" in inner or "Failed to resolve" in inner:
+            return "host name not found"
+        return "connection error: " + inner[:200]
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _check_one(endpoint, base: str, timeout: float) -> dict:
+    """Probe one replica: GET /health (vLLM), then /v1/models to see the model is served.
+    Hosted APIs (kind openai) have no /health: only /v1/models."""
+    base = normalize_base_url(base)
+    out: dict[str, Any] = {"url": base, "ok": False}
+    session = requests.Session()
+    headers = _headers(endpoint)
+    t0 = time.perf_counter()
+    try:
+        health_status = None
+        if endpoint.kind != "openai":
+            r = session.get(base + "/health", headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
+            health_status = r.status_code
+            out["health_status"] = r.status_code
+            if r.status_code >= 500:
+                out["error"] = f"/health answered HTTP {r.status_code}"
+                return out
+        r = session.get(base + "/v1/models", headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
+        out["models_status"] = r.status_code
+        out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        if r.status_code in (401, 403):
+            out["error"] = f"/v1/models answered HTTP {r.status_code}: the API key is missing or wrong"
+            return out
+        if r.status_code != 200:
+            if health_status == 200:
+                out.update(ok=True, model_available=None, note=f"/v1/models answered HTTP {r.status_code}")
+            else:
+                out["error"] = f"/v1/models answered HTTP {r.status_code}"
+            return out
+        try:
+            models = [m.get("id") for m in r.json().get("data", []) if isinstance(m, dict)]
+        except ValueError:
+            out["error"] = "/v1/models did not answer JSON"
+            return out
+        out["models"] = models[:20]
+        out["model_available"] = endpoint.model_name in models
+        if not out["model_available"]:
+            out["error"] = f"model {endpoint.model_name!r} is not served here (serves: {', '.join(map(str, models[:5])) or 'none'})"
+            return out
+        out["ok"] = True
+        return out
+    except requests.RequestException as exc:
+        out["error"] = _short_error(exc)
+        out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        return out
+    except Exception as exc:  # never raise on a probe
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return out
+    finally:
+        session.close()
+
+
+def check_health(endpoint, *, timeout: float = HEALTH_TIMEOUT_S, save: bool = True) -> dict:
+    """Probe every replica of the endpoint. Returns
+    {"ok", "checked_at", "error", "replicas": [{"url", "ok", "latency_ms", "health_status", "models_status",
+    "model_available", "error"}...]} and, when save, stores it in endpoint.last_health/last_health_at.
+    ok is True when every replica is healthy and serves the model. Never raises on network errors."""
+    urls = endpoint.all_base_urls
+    if len(urls) == 1:
+        replicas = [_check_one(endpoint, urls[0], timeout)]
+    else:
+        with ThreadPoolExecutor(max_workers=min(8, len(urls))) as pool:
+            replicas = list(pool.map(lambda u: _check_one(endpoint, u, timeout), urls))
+    for rep in replicas:
+        if "error" in rep:
+            rep["error"] = redact_text(rep["error"], endpoint.api_key)
+    bad = [r for r in replicas if not r["ok"]]
+    now = timezone.now()
+    result = {
+        "ok": not bad,
+        "checked_at": now.isoformat(),
+        "replicas": replicas,
+        "error": "; ".join(f"{r['url']}: {r.get('error', 'unhealthy')}" for r in bad),
+    }
+    if save and endpoint.pk:
+        endpoint.last_health = result
+        endpoint.last_health_at = now
+        type(endpoint).objects.filter(pk=endpoint.pk).update(last_health=result, last_health_at=now)
+    return result
+
+
+# --- pre-warm --------------------------------------------------------------------------------------
+def _tiny_request(endpoint) -> tuple[str, dict]:
+    flavor = endpoint.api_flavor
+    if flavor == "completions":
+        return "/v1/completions", {"model": endpoint.model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    if flavor == "responses":
+        return "/v1/responses", {"model": endpoint.model_name, "input": "Hello", "max_output_tokens": 16, "temperature": 0}
+    return "/v1/chat/completions", {"model": endpoint.model_name, "messages": [{"role": "user", "content": "Hello"}],
+                                    "max_tokens": 1, "temperature": 0}
+
+
+def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
+    """Send n tiny generation requests, spread over the replicas (concurrently), so the first real
+    rollouts do not pay for cold caches, lazy compilation or connection setup.
+    Returns {"ok", "sent", "succeeded", "latencies_ms": [...], "errors": [...]}; never raises on
+    network errors."""
+    path, body = _tiny_request(endpoint)
+    urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
+    timeout = timeout or min(endpoint.request_timeout_s, PREWARM_TIMEOUT_S)
+    headers = {**_headers(endpoint), "Content-Type": "application/json"}
+
+    def one(i: int):
+        url = urls[i % len(urls)] + path
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(url, json=body, headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
+            ms = round((time.perf_counter() - t0) * 1000, 1)
+            if r.status_code != 200:
+                return None, f"{url}: HTTP {r.status_code} {r.text[:200]}"
+            return ms, None
+        except requests.RequestException as exc:
+            return None, f"{url}: {_short_error(exc)}"
+
+    n = max(0, int(n))
+    if n == 0:
+        return {"ok": True, "sent": 0, "succeeded": 0, "latencies_ms": [], "errors": []}
+    with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+        results = list(pool.map(one, range(n)))
+    latencies = [ms for ms, err in results if err is None]
+    errors = [redact_text(err, endpoint.api_key) for _ms, err in results if err is not None]
+    return {"ok": not errors, "sent": n, "succeeded": len(latencies), "latencies_ms": latencies, "errors": errors[:20]}

@@ -1,0 +1,97 @@
+"""Endpoint admin: the API key is write-only (never rendered; blank on edit keeps the stored key),
+with actions to check health and pre-warm."""
+from django import forms
+from django.contrib import admin, messages
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
+
+from .models import Endpoint
+from .services import check_health, prewarm
+
+
+class EndpointAdminForm(forms.ModelForm):
+    base_url = forms.URLField(max_length=500, assume_scheme="http",
+                              help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
+    api_key = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text="Write-only: never shown. Leave blank to keep the stored key.",
+    )
+    clear_api_key = forms.BooleanField(required=False, help_text="Remove the stored API key")
+
+    class Meta:
+        model = Endpoint
+        fields = "__all__"
+
+    def clean(self):
+        data = super().clean()
+        new_key = data.get("api_key") or ""
+        if data.get("clear_api_key"):
+            data["api_key"] = ""
+        elif not new_key and self.instance and self.instance.pk:
+            data["api_key"] = Endpoint.objects.filter(pk=self.instance.pk).values_list("api_key", flat=True).first() or ""
+        return data
+
+
+@admin.register(Endpoint)
+class EndpointAdmin(admin.ModelAdmin):
+    form = EndpointAdminForm
+    list_display = ("name", "model_name", "base_url", "api_flavor", "kind", "replicas", "key_set", "health", "last_health_at")
+    list_filter = ("api_flavor", "kind")
+    search_fields = ("name", "model_name", "base_url")
+    readonly_fields = ("last_health_display", "last_health_at", "created_at")
+    exclude = ("last_health",)
+    actions = ["action_check_health", "action_prewarm"]
+    fieldsets = (
+        (None, {"fields": ("name", "owner", "kind", "base_url", "replica_urls", "model_name", "api_flavor")}),
+        ("Credentials", {"fields": ("api_key", "clear_api_key")}),
+        ("Limits", {"fields": ("request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit")}),
+        ("Health", {"fields": ("last_health_display", "last_health_at", "created_at")}),
+    )
+
+    @admin.display(description="replicas")
+    def replicas(self, obj):
+        return len(obj.all_base_urls)
+
+    @admin.display(boolean=True, description="API key")
+    def key_set(self, obj):
+        return bool(obj.api_key)
+
+    @admin.display(description="health")
+    def health(self, obj):
+        if not obj.last_health:
+            return "-"
+        if obj.last_health.get("ok"):
+            return mark_safe('<span style="color:green">ok</span>')
+        return format_html('<span style="color:#b00">down</span>: {}', (obj.last_health.get("error") or "")[:120])
+
+    @admin.display(description="last health check")
+    def last_health_display(self, obj):
+        h = obj.last_health or {}
+        if not h:
+            return "never checked"
+        items = []
+        for r in h.get("replicas", []):
+            status = f"ok ({r.get('latency_ms')} ms)" if r.get("ok") else f"down: {r.get('error', '')}"
+            items.append((r.get("url"), status))
+        return format_html("<ul>{}</ul>", format_html_join("", "<li>{} — {}</li>", items))
+
+    @admin.action(description="Check health of the selected endpoints")
+    def action_check_health(self, request, queryset):
+        for ep in queryset[:50]:
+            res = check_health(ep)
+            if res["ok"]:
+                lat = ", ".join(f"{r.get('latency_ms')} ms" for r in res["replicas"])
+                self.message_user(request, f"{ep.name}: healthy ({lat})", messages.SUCCESS)
+            else:
+                self.message_user(request, f"{ep.name}: unhealthy — {res['error']}", messages.ERROR)
+
+    @admin.action(description="Pre-warm the selected endpoints (4 tiny requests)")
+    def action_prewarm(self, request, queryset):
+        for ep in queryset[:20]:
+            res = prewarm(ep, n=4)
+            if res["ok"]:
+                self.message_user(request, f"{ep.name}: pre-warmed, {res['succeeded']} requests, "
+                                           f"latencies {res['latencies_ms']} ms", messages.SUCCESS)
+            else:
+                self.message_user(request, f"{ep.name}: pre-warm errors — {'; '.join(res['errors'][:3])}", messages.ERROR)
