@@ -76,11 +76,8 @@ def host_snapshot() -> dict:
 
 
 def beat(name: str, concurrency: int = 0, stopped: bool = False) -> None:
-    from django.db import close_old_connections
-
     from .models import WorkerHeartbeat
 
-    close_old_connections()
     now = timezone.now()
     snap = host_snapshot()
     WorkerHeartbeat.objects.update_or_create(
@@ -91,7 +88,10 @@ def beat(name: str, concurrency: int = 0, stopped: bool = False) -> None:
 
 
 def _loop(name: str, concurrency: int) -> None:
+    from django.db import close_old_connections
+
     while not _stop.is_set():
+        close_old_connections()  # this thread's connection: drop it if the server closed it
         try:
             beat(name, concurrency)
         except Exception as e:  # noqa: BLE001 - the heartbeat must never take the worker down

@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 
 from django.contrib import messages
+from django.core.exceptions import ValidationError
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -276,6 +277,9 @@ def dataset_detail(request, dataset_id):
 
             try:
                 job = create_job(owner=request.user, dataset=ds, **form.job_kwargs())
+            except ValidationError as e:
+                for field, errs in (e.message_dict.items() if hasattr(e, "error_dict") else [(None, e.messages)]):
+                    form.add_error(field if field in form.fields else None, errs)
             except (ValueError, InvalidTransition) as e:
                 form.add_error(None, str(e))
             else:
