@@ -255,6 +255,13 @@ class Engine:
             return req
         try:
             await self._generate(req, emit)
+        except asyncio.CancelledError:  # the client went away: vLLM aborts the request
+            req.finish_reason = "abort"
+            req.finished = asyncio.get_running_loop().time()
+            if not req.first_token:
+                req.first_token = req.finished
+            self._finish_metrics(req)
+            raise
         finally:
             self._release(req)
         self._finish_metrics(req)

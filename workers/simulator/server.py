@@ -31,6 +31,17 @@ from .metrics import Metrics
 SIM_VERSION = "0.1.0-sim"
 STALL_MAX_S = 3600.0
 _dumps = json.dumps
+_ENC: dict[str, str] = {}
+
+
+def _enc(tok: str) -> str:
+    """JSON string literal of a token, memoized (the synthetic vocabulary is small)."""
+    e = _ENC.get(tok)
+    if e is None:
+        e = _dumps(tok)
+        if len(_ENC) < 100_000:
+            _ENC[tok] = e
+    return e
 
 
 class Sim:
@@ -341,18 +352,16 @@ class _ChatFmt:
 
     def stream_tokens(self, a, b):
         h = self._head
-        return ['data: %s"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n' % (h, _dumps(t))
+        return ['data: %s"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n' % (h, _enc(t))
                 for t in self.tokens[a:b]]
 
     def stream_tail(self, req):
-        last = {"id": self.id, "object": self.obj + ".chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": req.finish_reason,
-                             "stop_reason": None}], "weight_version": req.weight_version}
-        out = ["data: " + _dumps(last) + "\n\n"]
+        wv = req.weight_version
+        out = ['data: %s"delta":{},"logprobs":null,"finish_reason":"%s","stop_reason":null}],"weight_version":%d}\n\n'
+               % (self._head, req.finish_reason, wv)]
         if _include_usage(self.body):
-            out.append("data: " + _dumps({"id": self.id, "object": self.obj + ".chunk", "created": self.created,
-                                          "model": self.model, "choices": [], "usage": self.usage(req),
-                                          "weight_version": req.weight_version}) + "\n\n")
+            out.append('data: %s,"usage":%s,"weight_version":%d}\n\n'
+                       % (self._head[:self._head.index('"choices":')] + '"choices":[]', _dumps(self.usage(req)), wv))
         out.append("data: [DONE]\n\n")
         return out
 
@@ -380,7 +389,7 @@ class _CompletionFmt(_ChatFmt):
 
     def stream_tokens(self, a, b):
         h = self._head
-        return ['data: %s"text":%s,"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n' % (h, _dumps(t))
+        return ['data: %s"text":%s,"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n' % (h, _enc(t))
                 for t in self.tokens[a:b]]
 
     def stream_tail(self, req):
