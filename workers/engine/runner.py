@@ -3,8 +3,9 @@
 Shape of a run
 --------------
 * One aiohttp ClientSession for the whole run (connector limit sized to parallelism).
-* A feeder coroutine pulls TaskItems lazily from the given (async) iterable into a bounded queue
-  (`max_resident - parallelism` slots, at least 1). Plain synchronous iterators other than in-memory
+* A feeder coroutine pulls TaskItems lazily from the given (async) iterable into a queue, never
+  holding more than `max_resident` tasks (default 2 x parallelism) between reading a task and emitting
+  its result (queued + in flight + being emitted). Plain synchronous iterators other than in-memory
   sequences are advanced in one dedicated thread, in small batches, so that an iterator that does
   blocking I/O (e.g. a database cursor) never blocks the event loop and always runs in the same thread.
 * A fixed pool of `parallelism` worker coroutines takes tasks off the queue; a worker holds one task
@@ -117,6 +118,35 @@ atexit.register(shutdown_verify_pool, False)
 
 # ------------------------------------------------------------------------------------------ helpers
 
+class _Residency:
+    """Counts tasks resident in the engine (read from the iterator, not yet emitted or dropped).
+
+    Only the feeder acquires; workers release. The limit can be raised at runtime."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.event = asyncio.Event()
+
+    async def acquire_up_to(self, k: int) -> int:
+        while self.used >= self.limit:
+            self.event.clear()
+            await self.event.wait()
+        got = min(k, self.limit - self.used)
+        self.used += got
+        return got
+
+    def release(self, k: int = 1) -> None:
+        self.used -= k
+        if self.used < self.limit:
+            self.event.set()
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        if self.used < limit:
+            self.event.set()
+
+
 class _AttemptError(Exception):
     def __init__(self, failure_class: str, message: str, retryable: bool, retry_after: float | None = None,
                  unreachable: bool = False):
@@ -216,8 +246,8 @@ class _Run:
         self.t0 = time.monotonic()
 
         self.target = max(1, int(spec.parallelism))
-        self.max_resident = max(self.target, int(spec.max_resident or 2 * self.target))
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, self.max_resident - self.target))
+        self.resident = _Residency(self._resident_limit())
+        self.queue: asyncio.Queue = asyncio.Queue()  # bounded by self.resident
 
         # "/v1/..." is appended; an OpenAI-style base URL that already ends in /v1 is accepted as well
         self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in self.ep.base_urls]
@@ -271,17 +301,28 @@ class _Run:
         self.last_tick = self.t0
 
     # ---------------------------------------------------------------- feeding
-    async def _put(self, item: TaskItem):
-        await self.queue.put((item, time.monotonic()))
+    def _resident_limit(self) -> int:
+        """max_resident (default 2 x parallelism), never below the current parallelism."""
+        return max(self.target, int(self.spec.max_resident or 2 * self.target))
 
     async def _feed(self, tasks):
+        put = self.queue.put_nowait
+        monotonic = time.monotonic
         try:
             if hasattr(tasks, "__aiter__"):
-                async for item in tasks:
-                    await self._put(item)
+                it = aiter(tasks)
+                while True:
+                    await self.resident.acquire_up_to(1)
+                    try:
+                        item = await anext(it)
+                    except StopAsyncIteration:
+                        self.resident.release()
+                        break
+                    put((item, monotonic()))
             elif isinstance(tasks, (list, tuple, range)):
                 for item in tasks:
-                    await self._put(item)
+                    await self.resident.acquire_up_to(1)
+                    put((item, monotonic()))
             else:
                 it = iter(tasks)
                 self.iter_executor = ThreadPoolExecutor(1, thread_name_prefix="engine-tasks")
@@ -295,11 +336,13 @@ class _Run:
                     return batch
 
                 while True:
-                    n = max(1, min(_ITER_BATCH, self.queue.maxsize - self.queue.qsize()))
+                    n = await self.resident.acquire_up_to(_ITER_BATCH)
                     batch = await self.loop.run_in_executor(self.iter_executor, take, n)
+                    now = monotonic()
                     for item in batch:
-                        await self._put(item)
+                        put((item, now))
                     if len(batch) < n:
+                        self.resident.release(n - len(batch))
                         break
         except asyncio.CancelledError:
             raise
@@ -329,7 +372,10 @@ class _Run:
                 if self.stopping:
                     return
                 self.workers[me] = "busy"
-                await self._process(*entry)
+                try:
+                    await self._process(*entry)
+                finally:
+                    self.resident.release()
         except (asyncio.CancelledError, _Abandon):
             pass
         except Exception as exc:  # a bug: surface it instead of silently losing a worker
@@ -348,6 +394,7 @@ class _Run:
         if n == self.target or self.stopping:
             return
         self.target = n
+        self.resident.set_limit(self._resident_limit())
         connector = getattr(self, "connector", None)
         if connector is not None and hasattr(connector, "_limit") and connector._limit and connector._limit < n:
             connector._limit = n  # aiohttp has no public setter; the pool must never be the smaller bound
@@ -371,7 +418,8 @@ class _Run:
             if self.feeder is not None:
                 self.feeder.cancel()
             while not self.queue.empty():
-                self.queue.get_nowait()
+                if self.queue.get_nowait() is not _END:
+                    self.resident.release()
             self.queue.put_nowait(_END)
             for task, state in list(self.workers.items()):
                 if state == "idle":
@@ -625,7 +673,7 @@ class _Run:
             elapsed_s=now - self.t0, completed=self.completed, failed=self.failed, in_flight=self.in_flight,
             parallelism=self.target, samples_per_s=self.tick_ok / dt, output_tokens_per_s=self.tick_tokens / dt,
             errors=dict(self.tick_errors),
-            extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(),
+            extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(), "resident": self.resident.used,
                    "max_in_flight": self.max_in_flight_seen, "interval_s": dt},
         )
         self.tick_ok = self.tick_finished = self.tick_tokens = 0
