@@ -46,6 +46,16 @@ def run_in_thread(fn, *args, **kwargs):
     return thread, box
 
 
+def run_and_close(fn, *args, **kwargs):
+    """Run fn in this (pool) thread and close the thread's DB connection after."""
+    from django.db import connection
+
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        connection.close()
+
+
 def wait_for(predicate, timeout=30.0, interval=0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,7 +138,7 @@ def test_progress_messages_reach_the_channel_layer(user, math_dataset, sim_endpo
         await layer.group_add(job_group(job.pk), channel)
         try:
             await asyncio.sleep(0.2)  # the subscription is live before the run starts
-            runner = asyncio.create_task(asyncio.to_thread(services.run_job_inline, job))
+            runner = asyncio.create_task(asyncio.to_thread(run_and_close, services.run_job_inline, job))
             messages = []
             while True:
                 try:
