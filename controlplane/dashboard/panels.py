@@ -1,5 +1,5 @@
 """The job page is a list of panels, rendered in order. A panel is a template (it receives the
-page's context: `job`, `snapshot`, ... plus whatever its own context function returns). Later work
+page's context: `job`, `snapshot`, ... and `panel_ctx`, what its own context function returns). Later work
 (diagnosis, profiling) adds a panel with `register_panel` from its app's `ready()`:
 
     from controlplane.dashboard.panels import register_panel
@@ -15,13 +15,15 @@ from typing import Callable
 class Panel:
     name: str
     template: str
-    context: Callable | None = None  # (request, job) -> dict merged into the panel's context
+    context: Callable | None = None  # (request, job) -> dict, available to the template as `panel_ctx`
+    live: bool = False  # updated in place by the page's JS; other panels are re-fetched from the server
+                        # every PANEL_REFRESH_S while the job runs and when its state changes
 
 
 JOB_PANELS: list[Panel] = [
-    Panel("progress", "dashboard/panels/progress.html"),
-    Panel("actions", "dashboard/panels/actions.html"),
-    Panel("charts", "dashboard/panels/charts.html"),
+    Panel("progress", "dashboard/panels/progress.html", live=True),
+    Panel("actions", "dashboard/panels/actions.html", live=True),
+    Panel("charts", "dashboard/panels/charts.html", live=True),
     Panel("metrics", "dashboard/panels/metrics.html"),
     Panel("timing", "dashboard/panels/timing.html"),
     Panel("errors", "dashboard/panels/errors.html"),
@@ -30,8 +32,8 @@ JOB_PANELS: list[Panel] = [
 
 
 def register_panel(template: str, *, name: str | None = None, context: Callable | None = None,
-                   after: str | None = None) -> Panel:
-    panel = Panel(name or template, template, context)
+                   after: str | None = None, live: bool = False) -> Panel:
+    panel = Panel(name or template, template, context, live)
     JOB_PANELS[:] = [p for p in JOB_PANELS if p.name != panel.name]
     if after is not None:
         for i, p in enumerate(JOB_PANELS):
@@ -47,5 +49,5 @@ def render_list(request, job) -> list[dict]:
     out = []
     for p in JOB_PANELS:
         extra = p.context(request, job) if p.context else {}
-        out.append({"name": p.name, "template": p.template, "context": extra or {}})
+        out.append({"name": p.name, "template": p.template, "context": extra or {}, "live": p.live})
     return out

@@ -246,6 +246,20 @@ function updateActions(snap) {
   }
 }
 
+const PANEL_REFRESH_MS = 15000;
+
+// Re-render the server-side panels (metrics, timing, errors, parameters, and any registered later)
+// from a fresh copy of the page, without touching the live ones.
+async function refreshPanels() {
+  const r = await fetch(location.pathname, { credentials: "same-origin" });
+  if (!r.ok) return;
+  const doc = new DOMParser().parseFromString(await r.text(), "text/html");
+  for (const el of $$(".panel[data-refresh]")) {
+    const fresh = doc.querySelector(`.panel[data-panel="${el.dataset.panel}"]`);
+    if (fresh && fresh.innerHTML !== el.innerHTML) el.innerHTML = fresh.innerHTML;
+  }
+}
+
 function initJobPage() {
   const init = JSON.parse($("#job-init").textContent);
   let snapshot = JSON.parse($("#job-snapshot").textContent);
@@ -255,13 +269,29 @@ function initJobPage() {
   const startCharts = () => { charts = new JobCharts(series); };
   if (typeof uPlot === "undefined") window.addEventListener("load", startCharts); else startCharts();
   let lastT = snapshot.t || 0;
-  const extra = { avg_samples_per_s: snapshot.avg_samples_per_s, elapsed_s: snapshot.elapsed_s };
-  const startedAt = snapshot.elapsed_s != null ? Date.now() / 1000 - snapshot.elapsed_s : null;
+  // Fields only the database knows (elapsed, average rate): kept from the last state fetch; elapsed
+  // then ticks on the client while the job runs.
+  const extra = {};
+  let startedAt = null;
+  const takeExtra = (st) => {
+    extra.avg_samples_per_s = st.avg_samples_per_s;
+    extra.elapsed_s = st.elapsed_s;
+    startedAt = st.elapsed_s != null && ["running", "queued"].includes(st.state) ? st.t - st.elapsed_s : null;
+  };
+  takeExtra(snapshot);
+
+  const catchUp = async (withSeries) => {
+    const st = await fetchJSON(init.state_url + (withSeries ? "?series=1" : ""));
+    if (withSeries && st.series && charts) charts.load(st.series);
+    takeExtra(st.snapshot);
+    apply(st.snapshot, { chart: false });
+  };
 
   const apply = (snap, { chart = true } = {}) => {
     if (snap.job_id !== undefined && String(snap.job_id) !== String(root.dataset.job)) return;
-    if (startedAt && ["running", "queued"].includes(snap.state)) extra.elapsed_s = Date.now() / 1000 - startedAt;
-    const merged = { ...extra, ...snap };
+    const stateChanged = snap.state !== snapshot.state;
+    if (startedAt && ["running", "queued"].includes(snap.state)) extra.elapsed_s = Math.max(0, (snap.t || Date.now() / 1000) - startedAt);
+    const merged = { ...snap, ...extra };
     applyProgress(document, merged);
     updateActions(merged);
     if (chart && charts && snap.state === "running" && typeof snap.t === "number" && snap.t > lastT) charts.push(snap);
@@ -269,21 +299,25 @@ function initJobPage() {
     snapshot = merged;
     window.dashboardLast = merged;
     document.dispatchEvent(new CustomEvent("dashboard:progress-applied", { detail: merged }));
+    if (stateChanged) {
+      // started, paused, finished ...: fetch what only the database knows, and the panels
+      catchUp(false).catch((e) => console.warn(e));
+      refreshPanels().catch((e) => console.warn(e));
+    }
   };
   apply(snapshot, { chart: false });
 
-  new LiveSocket(init.ws_path, {
+  window.dashboardSocket = new LiveSocket(init.ws_path, {
     onMessage: (msg) => { if (msg.type === "job.progress") apply(msg); },
     onStatus: setStatus,
-    onOpen: async (reconnected) => {
+    onOpen: (reconnected) => {
       // Catch up: whatever happened while the socket was down (or before it opened) is in the DB.
-      try {
-        const st = await fetchJSON(init.state_url + (reconnected ? "?series=1" : ""));
-        if (reconnected && st.series && charts) charts.load(st.series);
-        apply(st.snapshot, { chart: false });
-      } catch (e) { console.warn("catch-up failed", e); }
+      catchUp(reconnected).catch((e) => console.warn("catch-up failed", e));
     },
   });
+  setInterval(() => {
+    if (["running", "queued"].includes(snapshot.state) && !document.hidden) refreshPanels().catch(() => {});
+  }, PANEL_REFRESH_MS);
 }
 
 // ---------------------------------------------------------------- overview
