@@ -1,0 +1,125 @@
+"""Export a job's rollouts as NeMo Gym JSONL, streamed in constant memory.
+
+- `iter_export_lines(job, which="ok"|"failed"|"all")` yields one JSON line (with its "\\n") per rollout,
+  ordered by (task_index, rollout_index), read through a server-side cursor (PostgreSQL) in chunks, so
+  memory does not grow with the job's size. The stored `data` column is the NeMo Gym output row; failed
+  rows additionally carry `failure_class` and `error` (as NeMo Gym's `_failures.jsonl` does).
+- `write_export(job, path)` writes `<out>.jsonl`, `<out>_failures.jsonl` and
+  `<out>_aggregate_metrics.json` beside each other (NeMo Gym's names: `rollouts.jsonl` ->
+  `rollouts_failures.jsonl`, `rollouts_aggregate_metrics.json`), each through a temporary file renamed
+  into place, so a reader never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from django.db import connection
+from django.db.models import TextField
+from django.db.models.functions import Cast
+
+from .models import Rollout
+
+EXPORT_CHUNK_ROWS = 2000
+
+
+def _dumps(row: dict) -> str:
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
+def iter_export_rows(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS) -> Iterator[dict]:
+    """The NeMo Gym output rows of the job (dicts), in (task_index, rollout_index) order."""
+    if which not in ("ok", "failed", "all"):
+        raise ValueError("which must be 'ok', 'failed' or 'all'")
+    qs = Rollout.objects.filter(job_id=getattr(job, "pk", job))
+    if which != "all":
+        qs = qs.filter(status=Rollout.Status.OK if which == "ok" else Rollout.Status.FAILED)
+    qs = qs.order_by("task_index", "rollout_index").values_list(
+        "task_index", "rollout_index", "status", "failure_class", "error", "data")
+    for task_index, rollout_index, status, failure_class, error, data in qs.iterator(chunk_size=chunk_size):
+        row = data if isinstance(data, dict) else {"data": data}
+        row.setdefault("_ng_task_index", task_index)
+        row.setdefault("_ng_rollout_index", rollout_index)
+        if status == Rollout.Status.FAILED:
+            row["failure_class"] = failure_class
+            row["error"] = error
+        yield row
+
+
+def iter_export_lines(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS) -> Iterator[str]:
+    """One JSONL line (ending in newline) per rollout; see the module docstring.
+
+    On PostgreSQL, successful rows are streamed as jsonb's own text (no decode/encode round trip in
+    Python) whenever they already carry their `_ng_*` indices, as the engine's rows do."""
+    if which == "ok" and connection.vendor == "postgresql":
+        yield from _iter_ok_lines_pg(job, chunk_size)
+        return
+    for row in iter_export_rows(job, which, chunk_size):
+        yield _dumps(row)
+
+
+def _iter_ok_lines_pg(job, chunk_size: int) -> Iterator[str]:
+    qs = (Rollout.objects.filter(job_id=getattr(job, "pk", job), status=Rollout.Status.OK)
+          .order_by("task_index", "rollout_index")
+          .annotate(text=Cast("data", output_field=TextField()))
+          .values_list("task_index", "rollout_index", "text"))
+    for task_index, rollout_index, text in qs.iterator(chunk_size=chunk_size):
+        if '"_ng_task_index"' in text and '"_ng_rollout_index"' in text and "\n" not in text:
+            yield text + "\n"
+        else:
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                row = {"data": row}
+            row.setdefault("_ng_task_index", task_index)
+            row.setdefault("_ng_rollout_index", rollout_index)
+            yield _dumps(row)
+
+
+def export_paths(path: str | os.PathLike) -> dict[str, Path]:
+    """{"output", "failures", "aggregate_metrics"} paths for an output path, NeMo Gym style."""
+    p = Path(path)
+    suffix = p.suffix or ".jsonl"
+    stem = p.name[: -len(p.suffix)] if p.suffix else p.name
+    return {
+        "output": p if p.suffix else p.with_name(stem + suffix),
+        "failures": p.with_name(f"{stem}_failures{suffix}"),
+        "aggregate_metrics": p.with_name(f"{stem}_aggregate_metrics.json"),
+    }
+
+
+def _write_atomic_lines(path: Path, lines: Iterator[str]) -> int:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    n = 0
+    try:
+        with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as f:
+            for line in lines:
+                f.write(line)
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return n
+
+
+def write_export(job, path: str | os.PathLike, *, failures: bool = True, aggregate_metrics: bool = True) -> dict:
+    """Write the job's rollouts (`path`), failures and aggregate metrics beside it.
+    Returns {"output": str, "failures": str|None, "aggregate_metrics": str|None, "ok_rows": n, "failed_rows": n}."""
+    paths = export_paths(path)
+    paths["output"].parent.mkdir(parents=True, exist_ok=True)
+    result = {"output": str(paths["output"]), "failures": None, "aggregate_metrics": None}
+    result["ok_rows"] = _write_atomic_lines(paths["output"], iter_export_lines(job, "ok"))
+    result["failed_rows"] = 0
+    if failures:
+        result["failed_rows"] = _write_atomic_lines(paths["failures"], iter_export_lines(job, "failed"))
+        result["failures"] = str(paths["failures"])
+    if aggregate_metrics:
+        metrics = dict(job.aggregate_metrics or {})
+        _write_atomic_lines(paths["aggregate_metrics"], iter([json.dumps(metrics, indent=2, sort_keys=True) + "\n"]))
+        result["aggregate_metrics"] = str(paths["aggregate_metrics"])
+    return result
