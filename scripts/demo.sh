@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `make demo`: sets everything up on the embedded defaults (SQLite file, local Redis, the built-in
+# simulator as the model server), starts the web server, a Celery worker and beat, loads the demo
+# math dataset, launches a demo job and follows it. Services keep running; `make stop` stops them.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+cd "$ROOT"
+
+RUN_DIR="$ROOT/var/run"; LOG_DIR="$ROOT/var/log"
+mkdir -p "$RUN_DIR" "$LOG_DIR"
+WEB_PORT="${WEB_PORT:-8000}"
+SIM_PORT="${SIM_PORT:-8100}"
+
+stop_all() {
+  for name in web worker beat simulator; do
+    local pidf="$RUN_DIR/$name.pid"
+    if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then
+      kill -TERM -- "-$(cat "$pidf")" 2>/dev/null || kill -TERM "$(cat "$pidf")" 2>/dev/null || true
+      log "stopped $name"
+    fi
+    rm -f "$pidf"
+  done
+}
+
+if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
+
+start() {  # start NAME CMD... : runs CMD in its own process group, logs to var/log/NAME.log
+  local name="$1"; shift
+  local pidf="$RUN_DIR/$name.pid"
+  if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then return 0; fi
+  setsid "$@" >"$LOG_DIR/$name.log" 2>&1 < /dev/null &
+  echo $! > "$pidf"
+}
+
+wait_http() {  # wait_http URL SECONDS NAME
+  for _ in $(seq 1 $(( $2 * 5 ))); do
+    "$PY" -c "import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)" "$1" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  die "$3 did not answer at $1; see $LOG_DIR/$3.log"
+}
+
+log "setting up (Python packages, Redis)"
+bash scripts/bootstrap.sh requirements.txt
+[ -f scripts/frontend.sh ] && { command -v npm >/dev/null || apt_install nodejs npm; bash scripts/frontend.sh; }
+
+export REDIS_URL="$(redis_url)"
+log "database: ${DATABASE_URL:-SQLite file var/controlplane.sqlite3}"
+"$PY" manage.py migrate --noinput -v 0
+
+log "starting the simulator (vLLM-compatible) on 127.0.0.1:$SIM_PORT"
+start simulator "$PY" -m workers.simulator --host 127.0.0.1 --port "$SIM_PORT" --seed 7 --model sim \
+  --max-num-seqs 32 --ttft-ms 120 --itl-ms 8 --math-accuracy 0.7
+wait_http "http://127.0.0.1:$SIM_PORT/health" 20 simulator
+
+log "starting a Celery worker and beat"
+start worker "$VENV/bin/celery" -A controlplane worker -P threads -c 4 -l info -n "demo@%h"
+start beat "$VENV/bin/celery" -A controlplane beat -l info -s "$ROOT/var/celerybeat-schedule"
+
+log "starting the web server (ASGI, daphne) on 127.0.0.1:$WEB_PORT"
+start web "$VENV/bin/daphne" -b 127.0.0.1 -p "$WEB_PORT" controlplane.asgi:application
+wait_http "http://127.0.0.1:$WEB_PORT/accounts/login/" 30 web
+
+"$PY" scripts/demo_seed.py --simulator-url "http://127.0.0.1:$SIM_PORT" --web-url "http://127.0.0.1:$WEB_PORT"
