@@ -8,5 +8,7 @@ bash scripts/bootstrap.sh requirements-dev.txt
 ensure_postgres
 [ -f scripts/test_prereqs.sh ] && bash scripts/test_prereqs.sh
 export DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/controlplane}"
-export REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
+# A Redis database and a Celery queue of their own, so tests never trade tasks with a running demo.
+export REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"
+export CELERY_TASK_DEFAULT_QUEUE="${CELERY_TASK_DEFAULT_QUEUE:-tests-$$}"
 exec "$PY" -m pytest "$@"
