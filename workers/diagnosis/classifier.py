@@ -1,0 +1,437 @@
+"""The bottleneck classifier: `diagnose(evidence) -> Diagnosis`. Pure: no I/O, no clock.
+
+Each rule looks at one number of the evidence, compares it with a named threshold, and when it holds adds
+a weight to one verdict. The verdict with the highest score wins when it reaches MIN_SCORE; otherwise the
+evidence is not enough. Every number consulted is reported (name, value, threshold, meaning, and which
+verdict it supports), so the job page, the API and the CLI can show *why*.
+
+Verdicts (seed 000's three bottlenecks, plus our own overhead):
+  model_inference_bound      time goes to the model server (TTFT + generation)
+  verification_bound         time goes to the verifier (CPU-heavy, or slow external calls)
+  network_rate_limit_bound   429s / timeouts / connection errors, or throughput pinned at the RPM limit
+  control_plane_bound        our own worker can't keep up: event loop lagging, slots not kept full
+  insufficient_evidence
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .evidence import Evidence
+
+MODEL = "model_inference_bound"
+VERIFICATION = "verification_bound"
+NETWORK = "network_rate_limit_bound"
+CONTROL_PLANE = "control_plane_bound"
+INSUFFICIENT = "insufficient_evidence"
+VERDICTS = (MODEL, VERIFICATION, NETWORK, CONTROL_PLANE, INSUFFICIENT)
+
+VERDICT_LABELS = {
+    MODEL: "Model inference",
+    VERIFICATION: "Verification",
+    NETWORK: "Network / API rate limits",
+    CONTROL_PLANE: "Control plane (our own overhead)",
+    INSUFFICIENT: "Not enough evidence",
+}
+
+# ------------------------------------------------------------------------------------ thresholds
+MIN_ROLLOUTS = 20  # fewer finished rollouts than this: no verdict
+MIN_SCORE = 2.0  # the winning verdict needs at least this much weight
+# timing breakdown (shares of a slot's wall time)
+MODEL_SHARE_BOUND = 0.60
+VERIFY_SHARE_BOUND = 0.40
+VERIFY_SHARE_DOMINANT = 0.60
+VERIFY_SHARE_SUPPORT = 0.20
+OVERHEAD_SHARE_BOUND = 0.30
+# worker host
+CPU_MAIN_SATURATED_PCT = 85.0  # % of one core: the event loop process is busy all the time
+CPU_POOL_SATURATED_FRAC = 0.75  # verification pool CPU / all cores
+CPU_MACHINE_BUSY_PCT = 90.0
+LOOP_LAG_P99_MS = 100.0
+LOOP_LAG_MEAN_MS = 20.0
+SLOT_UTILIZATION_LOW = 0.70  # in flight / parallelism
+# errors (per request attempt)
+RATE_429 = 0.02
+RATE_TIMEOUT = 0.01
+RATE_CONNECTION = 0.02
+RATE_5XX = 0.02
+RATE_4XX = 0.01
+RPM_UTILIZATION = 0.85  # throughput * 60 / RPM limit
+# model server
+SERVER_WAITING_FRAC = 0.50  # share of scrapes with requests waiting
+RUNNING_NEAR_CAP = 0.90  # running / max_num_seqs
+KV_HIGH = 0.90
+KV_CRITICAL = 0.95
+VLLM_QUEUE_MEAN_S = 0.10
+GPU_BUSY_PCT = 90.0
+GPU_LOW_PCT = 50.0
+GPU_HOT_C = 85.0
+# run shape
+THROUGHPUT_CV = 0.35
+COLD_START_RATIO = 3.0
+# sweep
+SWEEP_SCALED = 2.0  # best / first-level throughput: "time fell a lot"
+SWEEP_FLAT = 1.5  # below this: "time similar"
+# recommendations
+RATE_LIMIT_HEADROOM = 1.0  # parallelism <= RPM/60 * latency * headroom
+GPU_MEMORY_UTILIZATION_TRAINING = 0.95
+
+
+@dataclass
+class EvidenceItem:
+    name: str
+    value: Any
+    threshold: Any
+    meaning: str
+    supports: str | None = None  # verdict it supports when it holds
+    holds: bool = False
+    weight: float = 0.0
+
+
+@dataclass
+class Recommendation:
+    action: str
+    why: str
+    setting: str | None = None  # e.g. "num_samples_in_parallel", "gpu_memory_utilization"
+    value: Any = None  # suggested value, when one can be computed
+
+
+@dataclass
+class Condition:
+    """One of seed 002's troubleshooting cases, detected."""
+
+    name: str
+    title: str
+    evidence: str
+    fixes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    verdict: str
+    confidence: float
+    summary: str
+    evidence_items: list[EvidenceItem] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+    conditions: list[Condition] = field(default_factory=list)
+    scores: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+    subtype: str = ""  # e.g. "server_saturated" / "client_parallelism" for model-bound
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["evidence_items"] = [_jsonable(i) for i in d["evidence_items"]]
+        return d
+
+    def held(self) -> list[EvidenceItem]:
+        return [i for i in self.evidence_items if i.holds]
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, float):
+            v = None if (math.isnan(v) or math.isinf(v)) else round(v, 4)
+        out[k] = v
+    return out
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+class _Rules:
+    def __init__(self):
+        self.items: list[EvidenceItem] = []
+        self.scores = {MODEL: 0.0, VERIFICATION: 0.0, NETWORK: 0.0, CONTROL_PLANE: 0.0}
+
+    def check(self, name: str, value, threshold, meaning: str, supports: str | None = None, weight: float = 0.0,
+              op: str = ">=") -> bool:
+        if value is None:
+            return False
+        if op == ">=":
+            holds = value >= threshold
+        elif op == "<":
+            holds = value < threshold
+        else:
+            raise ValueError(op)
+        if isinstance(value, float):
+            value = round(value, 4)
+        self.items.append(EvidenceItem(name, value, f"{op} {threshold}", meaning, supports, holds, weight if holds else 0.0))
+        if holds and supports:
+            self.scores[supports] += weight
+        return holds
+
+    def note(self, name: str, value, meaning: str) -> None:
+        if value is None:
+            return
+        if isinstance(value, float):
+            value = round(value, 4)
+        self.items.append(EvidenceItem(name, value, None, meaning))
+
+
+def diagnose(ev: Evidence) -> Diagnosis:
+    r = _Rules()
+    r.note("rollouts", ev.n_rollouts, "finished rollouts the evidence covers")
+    r.note("throughput_rps", ev.throughput_rps, "successful rollouts per second while running")
+    r.note("parallelism", ev.parallelism, "mean configured parallelism (num_samples_in_parallel)")
+
+    # ---- network / rate limits ------------------------------------------------------------------
+    r.check("rate_429", ev.rate_429, RATE_429, "share of request attempts answered 429 Too Many Requests", NETWORK, 3.0)
+    r.check("rate_timeout", ev.rate_timeout, RATE_TIMEOUT, "share of request attempts that timed out", NETWORK, 1.5)
+    r.check("rate_connection", ev.rate_connection, RATE_CONNECTION, "share of request attempts with connection errors", NETWORK, 1.5)
+    rpm_util = None
+    if ev.rpm_limit and ev.throughput_rps is not None:
+        rpm_util = ev.throughput_rps * 60.0 / ev.rpm_limit
+        r.check("rpm_utilization", rpm_util, RPM_UTILIZATION, "throughput x 60 / the endpoint's RPM limit: pinned at the limit", NETWORK, 3.0)
+
+    # ---- verification ---------------------------------------------------------------------------
+    r.check("verify_share", ev.verify_share, VERIFY_SHARE_BOUND, "share of each rollout's time spent in the verifier", VERIFICATION, 3.0)
+    r.check("verify_share_dominant", ev.verify_share, VERIFY_SHARE_DOMINANT, "verification takes most of each rollout's time", VERIFICATION, 1.0)
+    pool_frac = None
+    if ev.cpu_children_pct is not None and ev.cpu_cores:
+        pool_frac = ev.cpu_children_pct / (100.0 * ev.cpu_cores)
+    if ev.verify_share is not None and ev.verify_share >= VERIFY_SHARE_SUPPORT:
+        r.check("verify_pool_cpu", pool_frac, CPU_POOL_SATURATED_FRAC, "CPU of the verification processes / all cores (CPU usage high during collection)", VERIFICATION, 1.5)
+
+    # ---- model inference ------------------------------------------------------------------------
+    r.check("model_share", ev.model_share, MODEL_SHARE_BOUND, "share of each rollout's time spent waiting for the model (TTFT + generation)", MODEL, 2.0)
+    saturated = False
+    saturated |= r.check("server_waiting_frac", ev.vllm_waiting_frac, SERVER_WAITING_FRAC, "share of /metrics scrapes with requests waiting in vLLM's queue", MODEL, 1.5)
+    if ev.max_num_seqs and ev.vllm_running_max is not None:
+        saturated |= r.check("running_vs_max_num_seqs", ev.vllm_running_max / ev.max_num_seqs, RUNNING_NEAR_CAP,
+                             "peak running requests / max_num_seqs", MODEL, 1.5)
+    saturated |= r.check("kv_cache_usage_max", ev.vllm_kv_max, KV_HIGH, "peak KV-cache usage (vllm:kv_cache_usage_perc)", MODEL, 1.0)
+    saturated |= r.check("vllm_preemptions", ev.vllm_preemptions, 1, "sequences preempted (KV cache exhausted) during the run", MODEL, 1.0)
+    saturated |= r.check("vllm_queue_time_mean_s", ev.vllm_queue_mean_s, VLLM_QUEUE_MEAN_S, "mean time requests waited in vLLM's queue (s)", MODEL, 1.0)
+    gpu_busy = r.check("gpu_utilization", ev.gpu_util_mean, GPU_BUSY_PCT, "mean GPU utilization (NVML)", MODEL, 1.5)
+    saturated |= gpu_busy
+    sweep_ratio = None
+    if ev.sweep and ev.sweep.get("points"):
+        pts = [p for p in ev.sweep["points"] if p.get("rollouts_per_s")]
+        if pts:
+            best = max(p["rollouts_per_s"] for p in pts)
+            first = pts[0]["rollouts_per_s"]
+            sweep_ratio = best / first if first > 0 else None
+            r.check("sweep_speedup", sweep_ratio, SWEEP_SCALED, "best / lowest-parallelism throughput in the sweep: time fell a lot -> model", MODEL, 1.5)
+
+    # ---- control plane ----------------------------------------------------------------------------
+    r.check("loop_lag_p99_ms", ev.loop_lag_p99_ms, LOOP_LAG_P99_MS, "event-loop lag p99 (ms): the worker's loop is blocked", CONTROL_PLANE, 3.0)
+    r.check("loop_lag_mean_ms", ev.loop_lag_mean_ms, LOOP_LAG_MEAN_MS, "event-loop lag mean (ms)", CONTROL_PLANE, 1.0)
+    r.check("cpu_main_pct", ev.cpu_main_pct, CPU_MAIN_SATURATED_PCT, "CPU of the worker's event-loop process, % of one core", CONTROL_PLANE, 1.0)
+    if (ev.verify_share or 0) < VERIFY_SHARE_SUPPORT:
+        r.check("overhead_share", ev.overhead_share, OVERHEAD_SHARE_BOUND, "share of each rollout's time outside model and verifier (our overhead, retries)", CONTROL_PLANE, 1.5)
+    if not (ev.rate_429 or 0) >= RATE_429:
+        r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW, "in-flight requests / parallelism: slots not kept full", CONTROL_PLANE, 1.0, op="<")
+
+    # ---- extra context (not scored)
+    r.note("queue_ms_mean", ev.queue_ms, "mean wait for a parallelism slot (ms)")
+    r.note("ttft_ms_mean", ev.ttft_ms, "mean time to first token (ms)")
+    r.note("generation_ms_mean", ev.generation_ms, "mean generation time (ms)")
+    r.note("verify_ms_mean", ev.verify_ms, "mean verification time (ms)")
+    r.note("wall_ms_mean", ev.wall_ms, "mean slot time per rollout (ms)")
+    r.note("vllm_running_mean", ev.vllm_running_mean, "mean running requests in vLLM")
+    r.note("vllm_waiting_mean", ev.vllm_waiting_mean, "mean waiting requests in vLLM")
+    r.note("cpu_total_pct", ev.cpu_total_pct, "CPU of worker + verification pool, % of one core")
+    r.note("cpu_cores", ev.cpu_cores, "cores on the worker host")
+
+    # ---- verdict -----------------------------------------------------------------------------------
+    scores = r.scores
+    ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=True)
+    (top, top_score), (_, second_score) = ranked[0], ranked[1]
+    verdict = top
+    if ev.n_rollouts < MIN_ROLLOUTS or top_score < MIN_SCORE:
+        verdict = INSUFFICIENT
+    elif top_score == second_score:
+        verdict = INSUFFICIENT
+    if verdict == INSUFFICIENT:
+        confidence = 0.0
+    else:
+        margin = (top_score - second_score) / top_score
+        coverage = min(1.0, top_score / 6.0)
+        confidence = round(min(0.97, 0.35 + 0.4 * margin + 0.25 * coverage), 2)
+
+    subtype = ""
+    if verdict == MODEL:
+        subtype = "server_saturated" if saturated else ("client_parallelism" if ev.vllm_scrapes or ev.gpu_count else "model_latency")
+    diag = Diagnosis(verdict=verdict, confidence=confidence, summary="", evidence_items=r.items,
+                     scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype)
+    diag.recommendations = _recommendations(verdict, subtype, ev, sweep_ratio)
+    diag.conditions = _conditions(ev)
+    diag.summary = _summary(diag, ev)
+    return diag
+
+
+# ------------------------------------------------------------------------------------ recommendations
+def rate_limit_parallelism(rpm: float, latency_s: float, headroom: float = RATE_LIMIT_HEADROOM) -> int:
+    """Seed 001: keep parallelism <= RPM/60 x mean request latency (s). At least 1."""
+    return max(1, int(math.floor(rpm / 60.0 * latency_s * headroom)))
+
+
+def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: float | None) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    par = int(round(ev.parallelism)) if ev.parallelism else None
+    sweep_rec = (ev.sweep or {}).get("recommended")
+    if verdict == MODEL:
+        if subtype != "server_saturated":
+            target = sweep_rec or (min(par * 2, ev.max_num_seqs) if par and ev.max_num_seqs and ev.max_num_seqs > par else (par * 2 if par else None))
+            recs.append(Recommendation(
+                "Raise parallelism (num_samples_in_parallel)" + (f" to about {target}" if target else ""),
+                "Time goes to the model but the server shows room (no waiting queue, KV cache not full): more requests in "
+                "flight fill its batches. Watch throughput rise and stop where it flattens (or run a parallelism sweep).",
+                "num_samples_in_parallel", target))
+        else:
+            if sweep_rec:
+                recs.append(Recommendation(f"Keep parallelism near {sweep_rec} (the sweep's knee)",
+                                           "The server is saturated: more requests only wait in its queue.",
+                                           "num_samples_in_parallel", sweep_rec))
+            recs.append(Recommendation(
+                "Lower max_model_len to what your tasks need (e.g. 4096-8192)",
+                "The full context reserves KV cache per sequence; a shorter one frees GPU memory for batching.",
+                "max_model_len", min(ev.max_model_len, 8192) if ev.max_model_len else 8192))
+            recs.append(Recommendation(
+                f"Raise gpu_memory_utilization from 0.9 to {GPU_MEMORY_UTILIZATION_TRAINING}",
+                "A larger KV cache admits more concurrent sequences (watch for OOM).",
+                "gpu_memory_utilization", GPU_MEMORY_UTILIZATION_TRAINING))
+            recs.append(Recommendation(
+                "Set max_num_batched_tokens >= max_model_len",
+                "Better batching efficiency per scheduler step.",
+                "max_num_batched_tokens", ev.max_model_len))
+            recs.append(Recommendation(
+                "Use tensor parallelism (tensor_parallel_size = GPU count) or more replicas for large models",
+                "Spreads the model over GPUs: more memory for KV cache and faster steps.", "tensor_parallel_size", None))
+        recs.append(Recommendation(
+            "Reduce max_output_tokens to the minimum needed" + (f" (mean output now {ev.output_tokens_mean:.0f} tokens)" if ev.output_tokens_mean else ""),
+            "Generation time grows with output length: lower latency, higher throughput.", "max_output_tokens", None))
+        recs.append(Recommendation("Use a faster / smaller model where quality allows (e.g. 8B instead of 70B)",
+                                   "Model inference is the bottleneck.", None, None))
+        recs.append(Recommendation("Pre-warm the model server with a few dummy requests before a large collection",
+                                   "Ensures the model is loaded and caches are warm.", None, None))
+    elif verdict == VERIFICATION:
+        recs.append(Recommendation("Cache expensive computations in the verifier (functools.lru_cache on repeated lookups / parsing)",
+                                   "Verification takes {} of each rollout's time.".format(_fmt_pct(ev.verify_share)), None, None))
+        recs.append(Recommendation("Use fast mode for training data (verify_mode = fast), exact verification for final evaluation",
+                                   "A quick heuristic reward is usually enough for RL training data.", "verify_mode", "fast"))
+        recs.append(Recommendation("Defer verification: collect now (verify_mode = deferred), verify in batch later at high parallelism",
+                                   "Collection stops waiting on the verifier; batch verification scales without model inference. "
+                                   "Trade-off: no real-time reward feedback.", "verify_mode", "deferred"))
+        if ev.cpu_cores:
+            recs.append(Recommendation(f"Give verification more CPU (verify_processes, more workers); this host has {ev.cpu_cores} cores",
+                                       "CPU-bound verifiers run in a process pool bounded by the cores.", "verify_processes", None))
+        recs.append(Recommendation("Profile the verifier (per-job profiling) and fix the function with the highest ttot",
+                                   "Seed 003: look for high tsub, high tavg x ncall, synchronous external calls.", None, None))
+        recs.append(Recommendation("Do not raise parallelism: the model is not the limit",
+                                   "More requests in flight only wait for the verifier.", None, None))
+    elif verdict == NETWORK:
+        latency = ev.request_latency_s
+        rpm = ev.rpm_limit
+        estimated = False
+        if not rpm and ev.throughput_rps:
+            rpm = ev.throughput_rps * 60.0  # what the endpoint actually accepted while throttling
+            estimated = True
+        if rpm and latency:
+            p = rate_limit_parallelism(rpm, latency)
+            recs.append(Recommendation(
+                f"Set parallelism <= RPM/60 x mean latency = {rpm:.0f}/60 x {latency:.2f} s = {p}",
+                ("RPM estimated from the accepted request rate while throttled. " if estimated else "")
+                + "More requests in flight than the rate allows only collect 429s and backoff.",
+                "num_samples_in_parallel", p))
+        else:
+            recs.append(Recommendation("Set parallelism below RPM/60 x mean latency (e.g. 500 RPM, 1 s -> 8)",
+                                       "Respect the tier's requests-per-minute limit.", "num_samples_in_parallel", None))
+        recs.append(Recommendation("Use adaptive parallelism (parallelism: auto)",
+                                   "It backs off on 429s and settles just under the limit.", "parallelism_auto", True))
+        recs.append(Recommendation("Reduce max_output_tokens to the minimum needed",
+                                   "Lower latency and fewer tokens against a TPM limit.", "max_output_tokens", None))
+        recs.append(Recommendation("Choose a higher service tier (e.g. service_tier: scale) for large generation runs",
+                                   "Higher throughput limits, higher cost.", "service_tier", "scale"))
+        if (ev.rate_timeout or 0) >= RATE_TIMEOUT or (ev.rate_connection or 0) >= RATE_CONNECTION:
+            recs.append(Recommendation("Check network stability between the worker and the endpoint",
+                                       "Timeouts / connection errors point at the network or an overloaded server.", None, None))
+    elif verdict == CONTROL_PLANE:
+        recs.append(Recommendation("Move blocking work off the event loop (sink writes to a thread, CPU-heavy verifiers to the process pool: cpu_bound = True)",
+                                   "The worker's event loop lags by {:.0f} ms (p99): requests and results wait for it.".format(ev.loop_lag_p99_ms or 0), None, None))
+        recs.append(Recommendation("Spread the job over more workers (smaller chunks)",
+                                   "One worker process cannot feed the endpoint at this rate.", "chunk_size", None))
+        recs.append(Recommendation("Profile the worker (per-job profiling) to find the per-row overhead",
+                                   "Large rows, per-row database writes or logging cost time on the loop.", None, None))
+        recs.append(Recommendation("Do not raise parallelism until the overhead is fixed",
+                                   "More concurrency adds load to the already saturated loop.", None, None))
+    else:
+        recs.append(Recommendation("Run a parallelism sweep (e.g. 1, 2, 4 ... 64) on a sample of tasks",
+                                   "How throughput scales with parallelism separates model from verification / network bottlenecks.", None, None))
+        if ev.n_rollouts < MIN_ROLLOUTS:
+            recs.append(Recommendation(f"Collect at least {MIN_ROLLOUTS} rollouts before diagnosing",
+                                       f"Only {ev.n_rollouts} finished so far.", None, None))
+        if not ev.vllm_scrapes:
+            recs.append(Recommendation("Point telemetry at the model server's /metrics (vLLM) if it has one",
+                                       "Running / waiting requests and KV-cache usage tell whether the server is saturated.", None, None))
+    return recs
+
+
+def _conditions(ev: Evidence) -> list[Condition]:
+    out: list[Condition] = []
+    if (ev.vllm_preemptions or 0) >= 1 or (ev.vllm_kv_max or 0) >= KV_CRITICAL:
+        out.append(Condition(
+            "oom_preemption", "Out of memory / preemptions",
+            f"preemptions during the run: {ev.vllm_preemptions or 0:.0f}; peak KV-cache usage {_fmt_pct(ev.vllm_kv_max)} (threshold {_fmt_pct(KV_CRITICAL)})",
+            ["Reduce parallelism (num_samples_in_parallel)", "Reduce context length: lower max_model_len in the vLLM config",
+             "Reduce GPU memory: lower gpu_memory_utilization to 0.85-0.90", "Use a smaller model (8B instead of 70B) if acceptable"]))
+    if (ev.rate_timeout or 0) >= RATE_TIMEOUT:
+        out.append(Condition(
+            "timeouts", "Timeouts",
+            f"{_fmt_pct(ev.rate_timeout)} of request attempts timed out (threshold {_fmt_pct(RATE_TIMEOUT)})"
+            + (f"; client timeout {ev.request_timeout_s:.0f} s" if ev.request_timeout_s else ""),
+            ["Increase the client timeout (the endpoint's request timeout)", "Reduce output length: lower max_output_tokens",
+             "Check verification time: profile the verification function", "Increase the model server's timeout"]))
+    inconsistent = (ev.throughput_cv or 0) >= THROUGHPUT_CV
+    contention = (ev.cpu_machine_pct or 0) >= CPU_MACHINE_BUSY_PCT and (ev.cpu_total_pct or 0) < 0.5 * (ev.cpu_machine_pct or 0) * (ev.cpu_cores or 1)
+    if inconsistent or contention:
+        bits = []
+        if inconsistent:
+            bits.append(f"throughput varies by {_fmt_pct(ev.throughput_cv)} (coefficient of variation, threshold {_fmt_pct(THROUGHPUT_CV)})")
+        if contention:
+            bits.append(f"the machine is {ev.cpu_machine_pct:.0f}% busy while this worker uses {ev.cpu_total_pct:.0f}% of one core")
+        if ev.gpu_temp_max and ev.gpu_temp_max >= GPU_HOT_C:
+            bits.append(f"GPU at {ev.gpu_temp_max:.0f} C")
+        out.append(Condition(
+            "inconsistent_speeds", "Inconsistent speeds", "; ".join(bits),
+            ["Check resource contention: other processes using GPU/CPU", "Monitor thermal throttling: GPU temperatures causing slowdowns",
+             "Check network stability (hosted APIs)", "Use dedicated resources for benchmarking"]))
+    if ev.gpu_util_mean is not None and ev.gpu_util_mean < GPU_LOW_PCT:
+        out.append(Condition(
+            "low_gpu_utilization", "Low GPU utilization",
+            f"mean GPU utilization {ev.gpu_util_mean:.0f}% (threshold {GPU_LOW_PCT:.0f}%)",
+            ["Increase parallelism: more concurrent requests to fill batches", "Check verification bottleneck: CPU-bound verification limiting throughput",
+             "Reduce batch waiting time: adjust vLLM batching parameters", "Pre-warm model: send dummy requests before starting"]))
+    if (ev.rate_5xx or 0) >= RATE_5XX:
+        out.append(Condition(
+            "server_errors", "Server errors (infrastructure overloaded)",
+            f"{_fmt_pct(ev.rate_5xx)} of request attempts got HTTP 5xx (threshold {_fmt_pct(RATE_5XX)})",
+            ["Reduce parallelism", "Check the model server's health and logs (OOM, crashes)"]))
+    if (ev.rate_4xx or 0) >= RATE_4XX:
+        out.append(Condition(
+            "request_errors", "Requests rejected (HTTP 4xx)",
+            f"{_fmt_pct(ev.rate_4xx)} of request attempts got HTTP 4xx (threshold {_fmt_pct(RATE_4XX)}), e.g. prompt + max tokens above max_model_len",
+            ["Lower max_output_tokens", "Raise the server's max_model_len if tasks need it", "Check the API key and model name"]))
+    if ev.cold_start_ratio is not None and ev.cold_start_ratio >= COLD_START_RATIO:
+        out.append(Condition(
+            "cold_start", "Slow start (cold model server)",
+            f"time to first token at the start was {ev.cold_start_ratio:.1f}x later values (threshold {COLD_START_RATIO}x)",
+            ["Pre-warm the model server: send a few dummy requests before a large collection"]))
+    return out
+
+
+def _summary(d: Diagnosis, ev: Evidence) -> str:
+    if d.verdict == INSUFFICIENT:
+        if ev.n_rollouts < MIN_ROLLOUTS:
+            return f"Not enough evidence: {ev.n_rollouts} rollouts finished (need {MIN_ROLLOUTS})."
+        return "Not enough evidence: no signal stands out (scores " + ", ".join(f"{k} {v}" for k, v in d.scores.items()) + ")."
+    held = [i.name for i in d.held() if i.supports == d.verdict]
+    text = f"{d.label} bound ({int(d.confidence * 100)}% confidence): " + ", ".join(held) + "."
+    if d.verdict == MODEL and d.subtype == "server_saturated":
+        text += " The model server is saturated."
+    elif d.verdict == MODEL and d.subtype == "client_parallelism":
+        text += " The server has room: raise parallelism."
+    return text

@@ -1,0 +1,292 @@
+"""Evidence for the bottleneck classifier, built from plain data.
+
+`build_evidence(ticks, config=..., rollout_stats=..., sweep=...)` takes:
+
+- ticks: progress ticks as dicts (`workers.telemetry.tick_to_dict`, or JobMetricSample rows turned into the
+  same shape): elapsed_s, completed, failed, in_flight, parallelism, samples_per_s, errors {class: n} and
+  extra {"telemetry": {...}} as written by `TelemetrySink`.
+- config: what the job asked for and what we know of the endpoint: parallelism, rpm_limit, max_num_seqs,
+  max_model_len, max_output_tokens, request_timeout_s, verifier, verify_mode, gpu_memory_utilization.
+- rollout_stats: optional exact timing means from the stored rollouts ({"n", "ok", "failed",
+  "queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"} means, "failure_classes": {...}); they win
+  over the per-tick summaries.
+- sweep: optional `SweepResult.to_dict()` of a parallelism sweep on the same endpoint.
+
+Every field may be None: the classifier only uses what is there.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+REQUEST_ERROR_CLASSES = ("http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response")
+
+
+@dataclass
+class Evidence:
+    # volume
+    n_rollouts: int = 0
+    n_ok: int = 0
+    n_failed: int = 0
+    duration_s: float | None = None
+    n_ticks: int = 0
+    # throughput and concurrency
+    throughput_rps: float | None = None  # successful rollouts per second while running
+    throughput_cv: float | None = None  # coefficient of variation of per-tick throughput (steady part)
+    parallelism: float | None = None  # mean configured parallelism
+    in_flight_mean: float | None = None
+    slot_utilization: float | None = None  # in_flight / parallelism
+    # timing breakdown (means, ms) and shares of a slot's time
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    generation_ms: float | None = None
+    verify_ms: float | None = None
+    wall_ms: float | None = None
+    model_share: float | None = None  # (ttft + generation) / wall
+    verify_share: float | None = None  # verify / wall
+    overhead_share: float | None = None  # 1 - model - verify: retries, backoff, our own overhead
+    cold_start_ratio: float | None = None  # TTFT of the first ticks / TTFT afterwards
+    # worker host
+    cpu_main_pct: float | None = None  # event-loop process, % of one core
+    cpu_children_pct: float | None = None  # verification pool, % of one core
+    cpu_total_pct: float | None = None
+    cpu_cores: int | None = None
+    cpu_machine_pct: float | None = None  # whole machine 0..100
+    loop_lag_mean_ms: float | None = None
+    loop_lag_p99_ms: float | None = None
+    # errors (per request attempt)
+    attempts: int = 0
+    error_counts: dict = field(default_factory=dict)
+    rate_429: float | None = None
+    rate_5xx: float | None = None
+    rate_4xx: float | None = None
+    rate_timeout: float | None = None
+    rate_connection: float | None = None
+    # model server (/metrics)
+    vllm_scrapes: int = 0
+    vllm_running_mean: float | None = None
+    vllm_running_max: float | None = None
+    vllm_waiting_mean: float | None = None
+    vllm_waiting_frac: float | None = None  # share of scrapes with a waiting queue
+    vllm_kv_mean: float | None = None
+    vllm_kv_max: float | None = None
+    vllm_preemptions: float | None = None  # during the run
+    vllm_queue_mean_s: float | None = None
+    vllm_ttft_p50_s: float | None = None
+    vllm_itl_p50_s: float | None = None
+    vllm_e2e_p50_s: float | None = None
+    # GPU (NVML, worker host)
+    gpu_count: int = 0
+    gpu_util_mean: float | None = None
+    gpu_mem_frac_max: float | None = None
+    gpu_temp_max: float | None = None
+    # configuration
+    rpm_limit: float | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    max_output_tokens: int | None = None
+    request_timeout_s: float | None = None
+    verify_mode: str | None = None
+    verifier: str | None = None
+    output_tokens_mean: float | None = None
+    # parallelism sweep
+    sweep: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def request_latency_s(self) -> float | None:
+        """Mean model request latency (TTFT + generation), seconds; falls back to the slot time."""
+        if self.ttft_ms is not None:
+            return (self.ttft_ms + (self.generation_ms or 0.0)) / 1000.0
+        if self.wall_ms is not None:
+            return self.wall_ms / 1000.0
+        return None
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _wmean(pairs: Iterable[tuple[float | None, float]]) -> float | None:
+    num = den = 0.0
+    for v, w in pairs:
+        if v is None or w <= 0:
+            continue
+        num += float(v) * w
+        den += w
+    return num / den if den > 0 else None
+
+
+def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats: dict | None = None,
+                   sweep: dict | None = None) -> Evidence:
+    config = config or {}
+    ev = Evidence()
+    ticks = list(ticks or [])
+    ev.n_ticks = len(ticks)
+    groups: dict[str, list[dict]] = {}
+    for t in ticks:  # one cumulative series per worker (a job may run on several)
+        groups.setdefault(str(t.get("worker") or ""), []).append(t)
+    for g in groups.values():
+        g.sort(key=lambda t: t.get("elapsed_s") or 0.0)
+    ticks = [t for g in groups.values() for t in g]
+
+    # ---- volume and throughput (ticks carry cumulative completed / failed per run)
+    per_tick_rps: list[float] = []
+    in_flight_w: list[tuple[float, float]] = []
+    par_w: list[tuple[float, float]] = []
+    throughput = 0.0
+    longest = 0.0
+    for g in groups.values():
+        prev_ok = prev_done = 0
+        prev_elapsed = 0.0
+        active_time = 0.0
+        ok_total = 0
+        for t in g:
+            completed = int(t.get("completed") or 0)
+            failed = int(t.get("failed") or 0)
+            elapsed = float(t.get("elapsed_s") or 0.0)
+            if completed < prev_ok or completed + failed < prev_done:  # a new run (another chunk / resume)
+                prev_done = prev_ok = 0
+                prev_elapsed = 0.0
+            dt = max(0.0, elapsed - prev_elapsed)
+            d_ok = completed - prev_ok
+            if ((t.get("in_flight") or 0) > 0 or d_ok > 0) and dt > 0:
+                active_time += dt
+                ok_total += d_ok
+                per_tick_rps.append(d_ok / dt)
+                in_flight_w.append((t.get("in_flight") or 0, dt))
+                par_w.append((t.get("parallelism") or 0, dt))
+            prev_ok, prev_done, prev_elapsed = completed, completed + failed, elapsed
+        if active_time > 0:
+            throughput += ok_total / active_time
+            longest = max(longest, active_time)
+        ok, failed = _run_totals(g)
+        ev.n_ok += ok
+        ev.n_failed += failed
+    ev.n_rollouts = ev.n_ok + ev.n_failed
+    ev.duration_s = round(longest, 3) if longest else None
+    if longest > 0:
+        ev.throughput_rps = throughput
+    steady = per_tick_rps[1:-1] if len(per_tick_rps) >= 5 and len(groups) == 1 else []  # drop ramp-up and tail
+    if len(steady) >= 3:
+        m = statistics.fmean(steady)
+        if m > 0:
+            ev.throughput_cv = statistics.pstdev(steady) / m
+    ev.in_flight_mean = _wmean(in_flight_w)
+    ev.parallelism = _wmean(par_w) or (float(config["parallelism"]) if config.get("parallelism") else None)
+    if ev.in_flight_mean is not None and ev.parallelism:
+        ev.slot_utilization = min(1.5, ev.in_flight_mean / ev.parallelism)
+
+    # ---- errors per attempt
+    counts: dict[str, int] = {}
+    for t in ticks:
+        for k, v in (t.get("errors") or {}).items():
+            counts[k] = counts.get(k, 0) + int(v or 0)
+    if rollout_stats and rollout_stats.get("error_counts"):
+        for k, v in rollout_stats["error_counts"].items():
+            counts[k] = max(counts.get(k, 0), int(v))
+    ev.error_counts = counts
+    request_errors = sum(counts.get(k, 0) for k in REQUEST_ERROR_CLASSES)
+    ev.attempts = ev.n_ok + request_errors
+    if ev.attempts > 0:
+        ev.rate_429 = counts.get("http_429", 0) / ev.attempts
+        ev.rate_5xx = counts.get("http_5xx", 0) / ev.attempts
+        ev.rate_4xx = counts.get("http_4xx", 0) / ev.attempts
+        ev.rate_timeout = counts.get("timeout", 0) / ev.attempts
+        ev.rate_connection = counts.get("connection", 0) / ev.attempts
+
+    # ---- telemetry
+    tel = [((t.get("extra") or {}).get("telemetry") or {}) for t in ticks]
+    timings = [x.get("timing") or {} for x in tel]
+    for f in ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"):
+        setattr(ev, f, _wmean(((tm.get(f) or {}).get("mean"), tm.get("n") or 0) for tm in timings))
+    ev.output_tokens_mean = _wmean(((tm.get("output_tokens") or {}).get("mean"), tm.get("n") or 0) for tm in timings)
+    if rollout_stats:
+        for f in ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "output_tokens_mean"):
+            if rollout_stats.get(f) is not None:
+                setattr(ev, f, float(rollout_stats[f]))
+        if rollout_stats.get("n") and not ev.n_rollouts:
+            ev.n_ok = int(rollout_stats.get("ok") or 0)
+            ev.n_failed = int(rollout_stats.get("failed") or 0)
+            ev.n_rollouts = int(rollout_stats["n"])
+    if ev.wall_ms:
+        model = (ev.ttft_ms or 0.0) + (ev.generation_ms or 0.0)
+        ev.model_share = min(1.0, model / ev.wall_ms)
+        ev.verify_share = min(1.0, (ev.verify_ms or 0.0) / ev.wall_ms)
+        ev.overhead_share = max(0.0, 1.0 - ev.model_share - ev.verify_share)
+    ttfts = [((tm.get("ttft_ms") or {}).get("mean"), tm.get("n") or 0) for tm in timings if tm.get("n")]
+    if len(ttfts) >= 6:
+        head = _wmean(ttfts[:2])
+        rest = _wmean(ttfts[len(ttfts) // 3:])
+        if head and rest:
+            ev.cold_start_ratio = head / rest
+
+    workers = [x.get("worker") or {} for x in tel if x.get("worker")]
+    ev.cpu_main_pct = _mean(w.get("cpu_main") for w in workers)
+    ev.cpu_children_pct = _mean(w.get("cpu_children") for w in workers)
+    ev.cpu_total_pct = _mean(w.get("cpu_total") for w in workers)
+    ev.cpu_machine_pct = _mean(w.get("cpu_machine") for w in workers)
+    cores = [w.get("cpu_cores") for w in workers if w.get("cpu_cores")]
+    ev.cpu_cores = int(cores[-1]) if cores else None
+    lags = [w.get("loop_lag") for w in workers if w.get("loop_lag")]
+    if lags:
+        ev.loop_lag_mean_ms = _wmean((lg.get("mean_ms"), lg.get("n") or 1) for lg in lags)
+        p99s = sorted(lg.get("p99_ms") or 0.0 for lg in lags)
+        ev.loop_lag_p99_ms = p99s[len(p99s) // 2]  # the median interval's p99: robust to one hiccup
+
+    vl = [x["vllm"] for x in tel if isinstance(x.get("vllm"), dict) and x["vllm"].get("ok")]
+    ev.vllm_scrapes = len(vl)
+    if vl:
+        running = [v.get("running") for v in vl if v.get("running") is not None]
+        waiting = [v.get("waiting") for v in vl if v.get("waiting") is not None]
+        kv = [v.get("kv_usage") for v in vl if v.get("kv_usage") is not None]
+        ev.vllm_running_mean = _mean(running)
+        ev.vllm_running_max = max(running) if running else None
+        ev.vllm_waiting_mean = _mean(waiting)
+        ev.vllm_waiting_frac = (sum(1 for w in waiting if w > 0) / len(waiting)) if waiting else None
+        ev.vllm_kv_mean = _mean(kv)
+        ev.vllm_kv_max = max(kv) if kv else None
+        pre = [v.get("preemptions_delta") for v in vl if v.get("preemptions_delta") is not None]
+        ev.vllm_preemptions = sum(pre) if pre else None
+        ev.vllm_queue_mean_s = _wmean(((v.get("queue") or {}).get("mean"), (v.get("queue") or {}).get("count") or 0) for v in vl)
+        ev.vllm_ttft_p50_s = _mean((v.get("ttft") or {}).get("p50") for v in vl)
+        ev.vllm_itl_p50_s = _mean((v.get("itl") or {}).get("p50") for v in vl)
+        ev.vllm_e2e_p50_s = _mean((v.get("e2e") or {}).get("p50") for v in vl)
+
+    gpus = [x.get("gpu") for x in tel if x.get("gpu")]
+    if gpus:
+        ev.gpu_count = max(len(g) for g in gpus)
+        ev.gpu_util_mean = _mean(d.get("util") for g in gpus for d in g)
+        fracs = [d["mem_used_mb"] / d["mem_total_mb"] for g in gpus for d in g if d.get("mem_total_mb")]
+        ev.gpu_mem_frac_max = max(fracs) if fracs else None
+        temps = [d.get("temp_c") for g in gpus for d in g if d.get("temp_c") is not None]
+        ev.gpu_temp_max = max(temps) if temps else None
+
+    # ---- configuration
+    for key, attr, cast in (("rpm_limit", "rpm_limit", float), ("max_num_seqs", "max_num_seqs", int),
+                            ("max_model_len", "max_model_len", int), ("max_output_tokens", "max_output_tokens", int),
+                            ("request_timeout_s", "request_timeout_s", float), ("verify_mode", "verify_mode", str),
+                            ("verifier", "verifier", str)):
+        if config.get(key) not in (None, "", 0):
+            setattr(ev, attr, cast(config[key]))
+    ev.sweep = sweep
+    return ev
+
+
+def _run_totals(ticks: list[dict]) -> tuple[int, int]:
+    """Sum the final cumulative (completed, failed) of each run found in the tick series (a counter that goes
+    down starts a new run: another chunk or a resume)."""
+    ok = failed = 0
+    last_ok = last_failed = 0
+    for t in ticks:
+        c, f = int(t.get("completed") or 0), int(t.get("failed") or 0)
+        if c < last_ok or f < last_failed:
+            ok += last_ok
+            failed += last_failed
+        last_ok, last_failed = c, f
+    return ok + last_ok, failed + last_failed
