@@ -6,6 +6,8 @@
   `--ttft-ms 100`, `fault_rates={"429": 0.1}` -> `--fault-rate 429=0.1`, `unhealthy=True` ->
   `--unhealthy`; raw strings in `cli_args` are passed through.
 - `simulator`: one with zero latency, seed 0, default capacity (256 seqs).
+- `simulator_session`: the same, shared by the whole session (do not reconfigure it; use your own
+  from `simulator_factory` when a test changes knobs).
 - `start_simulator(...)`: the plain function behind both, for fixtures of other scopes (call
   `.stop()` yourself).
 
@@ -188,3 +190,11 @@ def simulator_factory():
 def simulator(simulator_factory) -> SimulatorProcess:
     """Zero latency, seed 0, 256 seqs: fast enough for any functional test."""
     return simulator_factory(ttft_ms=0, itl_ms=0, jitter=0, seed=0)
+
+
+@pytest.fixture(scope="session")
+def simulator_session():
+    """Zero latency, seed 0, shared by every test of the session: treat it as read-only."""
+    sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0)
+    yield sim
+    sim.stop()

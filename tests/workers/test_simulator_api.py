@@ -214,3 +214,9 @@ async def test_real_context_length_error(simulator_factory):
             err = (await r.json())["error"]
     assert "maximum context length is 64 tokens" in err["message"]
     assert err["type"] == "BadRequestError" and err["code"] == 400
+
+
+def test_session_fixture_and_factory_helpers(simulator_session):
+    assert simulator_session.proc.poll() is None
+    assert simulator_session.get_json("/v1/models")["data"][0]["id"] == simulator_session.model
+    assert "vllm:num_requests_running" in simulator_session.metrics_text()
