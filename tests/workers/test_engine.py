@@ -256,3 +256,23 @@ async def test_client_side_rpm_pacing(simulator):
     assert summary.completed == 40
     assert elapsed >= 0.9, elapsed  # 20 at once, then 20 more at 20/s
     assert max(r.queue_ms for r in sink.results) >= 800
+
+
+def test_cli_writes_nemo_gym_outputs(simulator, tmp_path):
+    import json
+    import subprocess
+    import sys
+    src = tmp_path / "tasks.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for _, row in math_rows(5)))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "workers.engine", "--input", str(src), "--output", str(out),
+                           "--base-url", simulator.url, "--model", simulator.model, "--num-repeats", "2", "--limit", "4",
+                           "--verifier", "exact", "--max-output-tokens", "20", "--quiet"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows) == [(t, k) for t in range(4) for k in range(2)]
+    assert (tmp_path / "out_failures.jsonl").read_text() == ""
+    metrics = json.loads((tmp_path / "out_aggregate_metrics.json").read_text())
+    assert metrics["num_rows"] == 8 and "mean/reward" in metrics and "pass@2" in metrics and metrics["mean/output_tokens"] == 20
+    assert metrics["timing"]["wall_ms"]["count"] == 8

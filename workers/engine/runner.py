@@ -41,7 +41,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from email.utils import parsedate_to_datetime
-from typing import Any, AsyncIterable, Iterable
+from typing import AsyncIterable, Iterable
 
 import aiohttp
 
