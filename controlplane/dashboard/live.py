@@ -7,13 +7,14 @@ import time
 from collections import defaultdict
 from datetime import timedelta
 
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.jobs.models import JobMetricSample, JobState
 
 # A worker's latest sample counts toward the job's current rate while it is this fresh.
 RATE_WINDOW_S = 10
-SERIES_MAX_POINTS = 1800
+SERIES_MAX_POINTS = 1800  # seconds of history the charts start with
 
 
 def current_rates(job) -> dict:
@@ -81,34 +82,62 @@ def job_snapshot(job) -> dict:
 
 
 def metric_series(job, max_points: int = SERIES_MAX_POINTS) -> dict:
-    """The job's metric time series for the charts: samples from all workers summed per second.
-    Columns (uPlot's layout): t (unix s), samples_per_s, output_tokens_per_s, in_flight, and one
-    column per error class."""
-    rows = list(
-        JobMetricSample.objects.filter(job=job)
-        .order_by("-t")
-        .values_list("t", "samples_per_s", "output_tokens_per_s", "in_flight", "errors")[: max_points * 4]
-    )
-    rows.reverse()
+    """The job's metric time series for the charts: the last `max_points` seconds before its latest
+    sample, samples from all workers summed per second (so the cost is bounded whatever the job's
+    length). Columns (uPlot's layout): t (unix s), samples_per_s, output_tokens_per_s, in_flight, and
+    one column per error class. Aggregated in the database on PostgreSQL."""
+    last = JobMetricSample.objects.filter(job=job).order_by("-t").values_list("t", flat=True).first()
+    if last is None:
+        return {"t": [], "samples_per_s": [], "output_tokens_per_s": [], "in_flight": [], "error_classes": [], "errors": {}}
+    window = JobMetricSample.objects.filter(job=job, t__gt=last - timedelta(seconds=max_points))
+    if connection.vendor == "postgresql":
+        buckets, err = _series_postgres(job.pk, last - timedelta(seconds=max_points))
+    else:
+        buckets, err = _series_python(window)
+    secs = sorted(buckets)[-max_points:]
+    classes_sorted = sorted({c for per in err.values() for c in per})
+    return {
+        "t": secs,
+        "samples_per_s": [round(buckets[s][0], 3) for s in secs],
+        "output_tokens_per_s": [round(buckets[s][1], 3) for s in secs],
+        "in_flight": [int(buckets[s][2]) for s in secs],
+        "error_classes": classes_sorted,
+        "errors": {c: [err.get(s, {}).get(c, 0) for s in secs] for c in classes_sorted},
+    }
+
+
+def _series_python(window):
     buckets: dict[int, list] = {}
-    classes: set[str] = set()
     err: dict[int, dict] = defaultdict(dict)
-    for t, sps, tps, inflight, errors in rows:
+    for t, sps, tps, inflight, errors in window.values_list("t", "samples_per_s", "output_tokens_per_s", "in_flight", "errors"):
         sec = int(t.timestamp())
         b = buckets.setdefault(sec, [0.0, 0.0, 0])
         b[0] += sps
         b[1] += tps
         b[2] += inflight
         for k, v in (errors or {}).items():
-            classes.add(k)
             err[sec][k] = err[sec].get(k, 0) + v
-    secs = sorted(buckets)[-max_points:]
-    classes_sorted = sorted(classes)
-    return {
-        "t": secs,
-        "samples_per_s": [round(buckets[s][0], 3) for s in secs],
-        "output_tokens_per_s": [round(buckets[s][1], 3) for s in secs],
-        "in_flight": [buckets[s][2] for s in secs],
-        "error_classes": classes_sorted,
-        "errors": {c: [err[s].get(c, 0) for s in secs] for c in classes_sorted},
-    }
+    return buckets, err
+
+
+def _series_postgres(job_id, since):
+    table = JobMetricSample._meta.db_table
+    buckets: dict[int, list] = {}
+    err: dict[int, dict] = defaultdict(dict)
+    with connection.cursor() as cur:
+        cur.execute(
+            f"SELECT floor(extract(epoch FROM t))::bigint AS sec, sum(samples_per_s), sum(output_tokens_per_s), "
+            f"sum(in_flight) FROM {table} WHERE job_id = %s AND t > %s GROUP BY sec",
+            [job_id, since],
+        )
+        for sec, sps, tps, inflight in cur.fetchall():
+            buckets[sec] = [sps or 0.0, tps or 0.0, inflight or 0]
+        cur.execute(
+            f"SELECT floor(extract(epoch FROM t))::bigint AS sec, e.key, sum((e.value)::numeric) "
+            f"FROM {table}, jsonb_each_text(errors) AS e WHERE job_id = %s AND t > %s AND errors <> '{{}}'::jsonb "
+            f"GROUP BY sec, e.key",
+            [job_id, since],
+        )
+        for sec, key, n in cur.fetchall():
+            err[sec][key] = int(n)
+    return buckets, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from django.db import connection
 from django.db.models import Avg, Count
 
 from controlplane.jobs.models import Rollout
@@ -34,6 +35,49 @@ def _recent_rows(job, fields, n=LIVE_SAMPLE, ok_only=False):
     return list(qs.order_by("-id").values_list(*fields)[:n])
 
 
+SAMPLE_FIELDS = [*TIMING_FIELDS, "reward", "output_tokens", "input_tokens"]
+
+
+def live_sample_stats(job, n=LIVE_SAMPLE) -> dict:
+    """{field: {"values": sorted list} or {"p50",...}} over the latest n successful rollouts: on
+    PostgreSQL one query computes percentiles, mean, min, max, std and count in the database; elsewhere
+    the rows are fetched and computed here. Memoized on the job instance for the request."""
+    cached = getattr(job, "_dashboard_live_stats", None)
+    if cached is not None:
+        return cached
+    out: dict = {"sample": 0, "fields": {}}
+    if connection.vendor == "postgresql":
+        table = Rollout._meta.db_table
+        parts = []
+        for f in SAMPLE_FIELDS:
+            parts.append(f"percentile_cont(ARRAY[0.5, 0.9, 0.99]) WITHIN GROUP (ORDER BY {f}), avg({f}), min({f}), "
+                         f"max({f}), stddev_pop({f}), count({f})")
+        sql = (f"WITH r AS (SELECT {', '.join(SAMPLE_FIELDS)} FROM {table} WHERE job_id = %s AND status = %s "
+               f"ORDER BY id DESC LIMIT %s) SELECT count(*), {', '.join(parts)} FROM r")
+        with connection.cursor() as cur:
+            cur.execute(sql, [job.pk, Rollout.Status.OK, n])
+            row = cur.fetchone()
+        out["sample"] = row[0]
+        for i, f in enumerate(SAMPLE_FIELDS):
+            pcts, mean, lo, hi, std, count = row[1 + 6 * i: 7 + 6 * i]
+            pcts = pcts or [None, None, None]
+            out["fields"][f] = {"p50": pcts[0], "p90": pcts[1], "p99": pcts[2], "mean": mean, "min": lo, "max": hi,
+                                "std": std, "count": count}
+    else:
+        data = _recent_rows(job, SAMPLE_FIELDS, n=n, ok_only=True)
+        out["sample"] = len(data)
+        for i, f in enumerate(SAMPLE_FIELDS):
+            vals = sorted(r[i] for r in data if r[i] is not None)
+            out["fields"][f] = {
+                "p50": percentile(vals, 50), "p90": percentile(vals, 90), "p99": percentile(vals, 99),
+                "mean": statistics.fmean(vals) if vals else None, "min": vals[0] if vals else None,
+                "max": vals[-1] if vals else None, "std": statistics.pstdev(vals) if len(vals) > 1 else (0.0 if vals else None),
+                "count": len(vals),
+            }
+    job._dashboard_live_stats = out
+    return out
+
+
 def _normalize_timing_summary(summary: dict) -> list[dict]:
     """Accept the stored timing_summary as {field: {p50: .., p90: .., p99: .., mean: ..}} (also
     'queue'/'queue_ms' keys, or percentiles as 'p50_ms'); anything else is shown raw."""
@@ -56,15 +100,13 @@ def timing_breakdown(job) -> dict:
         rows = _normalize_timing_summary(job.timing_summary)
         if rows:
             return {"source": "stored", "rows": rows, "sample": None}
-    data = _recent_rows(job, TIMING_FIELDS, ok_only=True)
+    live = live_sample_stats(job)
     rows = []
-    for i, field in enumerate(TIMING_FIELDS):
-        vals = sorted(r[i] for r in data if r[i] is not None)
-        row = {"field": field.removesuffix("_ms"), "count": len(vals), "mean": (sum(vals) / len(vals)) if vals else None}
-        for p in PERCENTILES:
-            row[f"p{p}"] = percentile(vals, p)
-        rows.append(row)
-    return {"source": "live", "rows": rows, "sample": len(data)}
+    for field in TIMING_FIELDS:
+        st = live["fields"][field]
+        rows.append({"field": field.removesuffix("_ms"), "count": st["count"], "mean": st["mean"],
+                     "p50": st["p50"], "p90": st["p90"], "p99": st["p99"]})
+    return {"source": "live", "rows": rows, "sample": live["sample"]}
 
 
 def reward_metrics(job) -> dict:
@@ -79,19 +121,15 @@ def reward_metrics(job) -> dict:
                     if isinstance(v2, (int, float)) and not isinstance(v2, bool):
                         flat.append((f"{k}/{k2}", v2))
         return {"source": "stored", "items": flat, "sample": None}
-    data = _recent_rows(job, ["reward", "output_tokens", "input_tokens"], ok_only=True)
+    live = live_sample_stats(job)
     items = []
-    for i, name in enumerate(["reward", "output_tokens", "input_tokens"]):
-        vals = [r[i] for r in data if r[i] is not None]
-        if not vals:
+    for name in ["reward", "output_tokens", "input_tokens"]:
+        st = live["fields"][name]
+        if not st["count"]:
             continue
-        items += [
-            (f"mean/{name}", statistics.fmean(vals)),
-            (f"min/{name}", min(vals)),
-            (f"max/{name}", max(vals)),
-            (f"std/{name}", statistics.pstdev(vals) if len(vals) > 1 else 0.0),
-        ]
-    return {"source": "live", "items": items, "sample": len(data)}
+        items += [(f"mean/{name}", st["mean"]), (f"min/{name}", st["min"]), (f"max/{name}", st["max"]),
+                  (f"std/{name}", st["std"])]
+    return {"source": "live", "items": items, "sample": live["sample"]}
 
 
 def mean_reward(job) -> float | None:
