@@ -1,0 +1,254 @@
+"""The drop-in `collect_rollouts` CLI: arguments, end to end against the simulator (NeMo Gym-shaped
+output beside the output path), resume after Ctrl-C and after SIGKILL without duplicates."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.db.models import Count
+
+from controlplane.jobs.management.commands.collect_rollouts import ArgError, parse_overrides
+from controlplane.jobs.models import CollectionJob, JobState, Rollout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_math(path: Path, n: int, start: int = 0) -> Path:
+    with open(path, "w") as f:
+        for i in range(start, start + n):
+            a, b = 3 * i + 1, 7 * i + 2
+            f.write(json.dumps({"responses_create_params": {"input": [{"role": "user", "content": f"What is {a} + {b}?"}]},
+                                "question": f"What is {a} + {b}?", "expected_answer": str(a + b), "id": f"t{i}"}) + "\n")
+    return path
+
+
+# --- arguments (no database) --------------------------------------------------------------------
+BASE = ["+input_jsonl_fpath=in.jsonl", "+output_jsonl_fpath=out.jsonl", "+model_base_url=http://h:1/v1", "+model_name=m"]
+
+
+def test_parse_nested_and_json_values():
+    cfg = parse_overrides(BASE + ["+limit=100", "+num_repeats=4", "+num_samples_in_parallel=32",
+                                  "+responses_create_params.max_output_tokens=256",
+                                  "+responses_create_params.temperature=0.7", "+responses_create_params.service_tier=flex",
+                                  "+responses_create_params.metadata.run=a", "+agent_name=my_agent",
+                                  "++verifier=exact", "verify_mode=deferred", "+policy_api_key=sk-1",
+                                  "+verifier_options.normalize=true", "+input_jsonl_fpath=1.jsonl"])
+    assert cfg["limit"] == 100 and cfg["num_repeats"] == 4 and cfg["num_samples_in_parallel"] == 32
+    assert cfg["responses_create_params"] == {"max_output_tokens": 256, "temperature": 0.7, "service_tier": "flex",
+                                              "metadata": {"run": "a"}}
+    assert cfg["agent_name"] == "my_agent" and cfg["verifier"] == "exact" and cfg["verify_mode"] == "deferred"
+    assert cfg["api_key"] == "sk-1" and cfg["verifier_options"] == {"normalize": True}
+    assert cfg["input_jsonl_fpath"] == "1.jsonl"  # paths stay strings
+    assert cfg["limit"] is not None and parse_overrides(BASE + ["+limit=null"])["limit"] is None
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["+limt=5"], "unknown key +limt (did you mean +limit?)"),
+    (["+limit=abc"], "+limit must be an integer"),
+    (["+num_repeats=0"], "+num_repeats must be >= 1"),
+    (["+responses_create_params.temperature=hot"], "temperature must be a number"),
+    (["+responses_create_params.max_output_tokens=-1"], "max_output_tokens must be a positive integer"),
+    (["+verifier=magic"], "+verifier must be one of"),
+    (["+request_timeout_s=soon"], "+request_timeout_s must be a number"),
+    (["nokeyvalue"], "not of the form +key=value"),
+])
+def test_parse_errors(extra, fragment):
+    with pytest.raises(ArgError, match=None) as ei:
+        parse_overrides(BASE + extra)
+    assert fragment in str(ei.value)
+
+
+def test_missing_required():
+    with pytest.raises(ArgError, match=r"missing required key\(s\): \+input_jsonl_fpath"):
+        parse_overrides(["+output_jsonl_fpath=o.jsonl", "+model_base_url=http://h", "+model_name=m"])
+
+
+@pytest.mark.django_db
+def test_command_error_lists_valid_keys_and_help(tmp_path):
+    with pytest.raises(CommandError) as ei:
+        call_command("collect_rollouts", "+bogus=1")
+    msg = str(ei.value)
+    assert "unknown key +bogus" in msg and "+num_samples_in_parallel" in msg and "+model_base_url" in msg
+    with pytest.raises(CommandError, match="no such file"):
+        call_command("collect_rollouts", f"+input_jsonl_fpath={tmp_path}/nope.jsonl",
+                     f"+output_jsonl_fpath={tmp_path}/o.jsonl", "+model_base_url=http://127.0.0.1:9", "+model_name=m")
+    help_text = subprocess.run([sys.executable, "manage.py", "collect_rollouts", "--help"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60, env=_env()).stdout
+    for key in ("+input_jsonl_fpath", "+output_jsonl_fpath", "+limit", "+num_repeats", "+num_samples_in_parallel",
+                "+responses_create_params.<param>", "+agent_name", "+model_base_url", "+model_name", "+api_flavor",
+                "+api_key", "+request_timeout_s", "+max_retries", "+verifier", "+verify_mode"):
+        assert key in help_text, key
+
+
+@pytest.mark.django_db
+def test_rejected_input_prints_bad_lines(tmp_path, capsys):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"responses_create_params": {"input": "ok"}}\n{oops\n')
+    with pytest.raises(CommandError, match="rejected.*accept_partial"):
+        call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
+                     "+model_base_url=http://127.0.0.1:9", "+model_name=m")
+    assert "line 2: not valid JSON" in capsys.readouterr().err
+
+
+# --- end to end ---------------------------------------------------------------------------------
+def _database_url():
+    s = connection.settings_dict
+    host = s.get("HOST") or "127.0.0.1"
+    port = s.get("PORT") or 5432
+    auth = s.get("USER") or "postgres"
+    if s.get("PASSWORD"):
+        auth += ":" + s["PASSWORD"]
+    return f"postgres://{auth}@{host}:{port}/{s['NAME']}"
+
+
+def _env(**extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    if connection.vendor == "postgresql" and connection.settings_dict.get("NAME"):
+        env["DATABASE_URL"] = _database_url()
+    return env
+
+
+def cli_args(inp, out, sim_url, *extra):
+    return ["+agent_name=math_agent", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+            "+num_repeats=2", "+num_samples_in_parallel=8", "+responses_create_params.max_output_tokens=48",
+            "+responses_create_params.temperature=0.5", f"+model_base_url={sim_url}/v1", "+model_name=sim-model",
+            "+verifier=math", "+request_timeout_s=20", "+max_retries=2", *extra]
+
+
+def check_output(out: Path, n_tasks: int, repeats: int):
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    pairs = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows]
+    assert pairs == sorted(set(pairs)), "ordered, no duplicates"
+    assert len(rows) == n_tasks * repeats
+    r = rows[0]
+    assert {"responses_create_params", "question", "expected_answer", "response", "reward"} <= set(r)
+    assert r["responses_create_params"]["max_output_tokens"] == 48 and r["responses_create_params"]["temperature"] == 0.5
+    assert r["response"]["output"][0]["type"] == "message"
+    assert r["response"]["usage"]["output_tokens"] > 0 and "input_tokens" in r["response"]["usage"]
+    assert isinstance(r["reward"], float) and "extracted_answer" in r
+    stem = out.with_suffix("")
+    assert Path(f"{stem}_failures.jsonl").exists()
+    metrics = json.loads(Path(f"{stem}_aggregate_metrics.json").read_text())
+    assert "mean/reward" in metrics
+    return rows, metrics
+
+
+def assert_exactly_once(job, n):
+    job.refresh_from_db()
+    assert Rollout.objects.filter(job=job).count() == n
+    assert not (Rollout.objects.filter(job=job).values("task_index", "rollout_index")
+                .annotate(c=Count("id")).filter(c__gt=1).exists())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
+    inp = write_math(tmp_path / "tasks.jsonl", 30)
+    out = tmp_path / "out" / "rollouts.jsonl"
+    call_command("collect_rollouts", *cli_args(inp, out, simulator.url))
+    captured = capsys.readouterr()
+    assert "Collecting rollouts" in captured.err and "it/s" in captured.err
+    assert "60 ok, 0 failed of 60" in captured.out and "Mean reward:" in captured.out
+    rows, metrics = check_output(out, 30, 2)
+    assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(metrics["mean/reward"])
+    job = CollectionJob.objects.get()
+    assert job.state == JobState.COMPLETED and job.idempotency_key.startswith("cli:")
+    assert job.name == "cli: math_agent" and job.output_path == str(out.resolve())
+    assert job.responses_create_params == {"max_output_tokens": 48, "temperature": 0.5}
+
+    out.unlink()
+    call_command("collect_rollouts", *cli_args(inp, out, simulator.url))  # same command: no new job, output again
+    assert CollectionJob.objects.count() == 1 and "already completed" in capsys.readouterr().err
+    check_output(out, 30, 2)
+    call_command("collect_rollouts", *cli_args(inp, out, simulator.url, "+limit=10"))  # different args: new job
+    assert CollectionJob.objects.count() == 2
+    check_output(out, 10, 2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failed_job_exits_nonzero_with_message(tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    inp = write_math(tmp_path / "t.jsonl", 3)
+    with pytest.raises(CommandError) as ei:
+        call_command("collect_rollouts", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
+                     f"+model_base_url=http://127.0.0.1:{port}", "+model_name=m", "+max_retries=1",
+                     "+connect_timeout_s=1")
+    job = CollectionJob.objects.get()
+    job.refresh_from_db()
+    if job.state == JobState.FAILED:
+        assert ei.value.returncode == 1 and "failed" in str(ei.value) and job.error_message in str(ei.value)
+    else:  # the runtime may record every row as a connection failure and complete instead
+        pytest.fail(f"job ended {job.state} with {job.failed_count} failed rows; expected a failed job")
+    assert (tmp_path / "o.jsonl").exists()
+
+
+def _start_cli(args, log, **env):
+    return subprocess.Popen([sys.executable, "manage.py", "collect_rollouts", *args], cwd=REPO, env=_env(**env),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_rows(job_filter, at_least, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = CollectionJob.objects.filter(**job_filter).first()
+        if job and Rollout.objects.filter(job=job).count() >= at_least:
+            return job
+        if proc.poll() is not None:
+            raise AssertionError(f"CLI exited early with {proc.returncode}")
+        time.sleep(0.2)
+    raise AssertionError("no progress")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, sig):
+    n_tasks, repeats = 60, 2
+    sim = simulator_factory(ttft_ms=40, itl_ms=2)
+    inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
+    out = tmp_path / "rollouts.jsonl"
+    args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+chunk_size=20")
+    with open(tmp_path / "run1.log", "w") as log:
+        p1 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="2", JOBS_FLUSH_ROWS="4")
+        try:
+            job = _wait_rows({"name": "cli: math_agent"}, 12, p1)
+            p1.send_signal(sig)
+            rc = p1.wait(timeout=30)
+        finally:
+            if p1.poll() is None:
+                p1.kill()
+    log1 = (tmp_path / "run1.log").read_text()
+    job.refresh_from_db()
+    done_after_first = Rollout.objects.filter(job=job).count()
+    assert 0 < done_after_first < n_tasks * repeats, log1
+    if sig == signal.SIGINT:
+        assert rc == 130, log1
+        assert "Rerun the same command to resume" in log1
+        assert job.state == JobState.PAUSED
+    else:
+        assert rc == -signal.SIGKILL
+        assert job.state == JobState.RUNNING  # left behind by the dead process; its lease expires
+
+    with open(tmp_path / "run2.log", "w") as log:
+        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="2")
+        rc2 = p2.wait(timeout=240)
+    log2 = (tmp_path / "run2.log").read_text()
+    assert rc2 == 0, log2
+    assert f"Job {job.pk}: resuming" in log2
+    assert CollectionJob.objects.count() == 1
+    assert_exactly_once(job, n_tasks * repeats)
+    assert job.state == JobState.COMPLETED
+    rows, _ = check_output(out, n_tasks, repeats)
+    print(f"\n{sig.name}: {done_after_first} rows stored before the interrupt; rerun completed {len(rows)}")
