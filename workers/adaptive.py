@@ -242,7 +242,8 @@ class AdaptiveConcurrency:
             if kind == "http_429":
                 lat_s = (mlat or lat or 1000.0) / 1000.0
                 little = max(1, math.ceil(X * lat_s))
-                new = min(int(L * self.backoff), little + 1) if little + 1 < L else int(L * self.backoff)
+                # Little's law gives the concurrency that sustains the accepted rate; one more keeps the pipe full
+                new = little + 1 if little + 1 < L else int(L * self.backoff)
                 self._set(new, f"429 on {100 * frac:.0f}% of requests: rate limited; the accepted {X:.1f} rollouts/s x "
                                f"{lat_s:.2f} s latency needs about {little} in flight (RPM/60 x latency)", w, signal="http_429")
             else:
