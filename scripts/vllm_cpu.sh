@@ -32,7 +32,7 @@ setup_venv() {
   if [ -f "$VENV_STAMP" ] && [ -x "$VPY" ]; then return 0; fi
   local t0=$SECONDS
   [ -x "$VPY" ] || { log "vllm: creating $VVENV"; python3 -m venv "$VVENV" || die "could not create $VVENV"; }
-  log "vllm: installing $VLLM_PIN and torch (CPU) into .venv-vllm (about 80 s, 2.5 GB)"
+  log "vllm: installing $VLLM_PIN and torch (CPU) into .venv-vllm (2.5 GB; about 2 min on an idle machine)"
   mkdir -p "$RUN_DIR"
   local piplog="$RUN_DIR/setup-pip.log"
   if ! "$VVENV/bin/pip" install --disable-pip-version-check "$VLLM_PIN" tokenizers transformers >"$piplog" 2>&1; then
