@@ -3,12 +3,55 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
+from django.core.validators import RegexValidator
 from rest_framework import serializers
 
 from controlplane.access import visible_datasets, visible_endpoints
 from controlplane.datasets.models import Dataset
 from controlplane.endpoints.models import Endpoint
 from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
+
+class StrictJSONTypes:
+    """JSON bodies must carry the types the schema states: DRF would accept "5" for an integer, 1 for a
+    boolean or 0 for a string, which the OpenAPI schema does not allow (and schemathesis checks)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            errors = {}
+            for name, field in self.fields.items():
+                if field.read_only or name not in data:
+                    continue
+                msg = _type_error(field, data[name])
+                if msg:
+                    errors[name] = [msg]
+            if errors:
+                raise serializers.ValidationError(errors)
+        return super().to_internal_value(data)
+
+
+def _type_error(field, value):
+    if value is None:
+        return None if field.allow_null else None  # DRF's own null handling reports it
+    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(field, serializers.BooleanField):
+        return None if isinstance(value, bool) else "Must be true or false."
+    if isinstance(field, serializers.IntegerField) or isinstance(field, serializers.PrimaryKeyRelatedField):
+        return None if isinstance(value, int) and not isinstance(value, bool) else "Must be an integer."
+    if isinstance(field, serializers.FloatField):
+        return None if is_num else "Must be a number."
+    if isinstance(field, (serializers.CharField, serializers.ChoiceField)):
+        return None if isinstance(value, str) else "Must be a string."
+    if isinstance(field, serializers.DictField):
+        return None if isinstance(value, dict) else "Must be an object."
+    if isinstance(field, serializers.ListField):
+        if not isinstance(value, list):
+            return "Must be an array."
+        for item in value:
+            msg = _type_error(field.child, item)
+            if msg:
+                return f"Item: {msg}"
+    return None
+
 
 # ---------------------------------------------------------------------------------------------- datasets
 
@@ -57,9 +100,11 @@ class BadLineSerializer(serializers.Serializer):
 
 
 class DatasetRejectedSerializer(serializers.Serializer):
-    detail = serializers.CharField()
-    bad_lines = BadLineSerializer(many=True)
-    bad_line_count = serializers.IntegerField()
+    """A rejected file: the bad-line report. (Missing or malformed form fields answer field errors instead.)"""
+
+    detail = serializers.CharField(required=False)
+    bad_lines = BadLineSerializer(many=True, required=False)
+    bad_line_count = serializers.IntegerField(required=False)
     truncated = serializers.BooleanField(required=False)
 
 
@@ -84,13 +129,25 @@ class DatasetRowsSerializer(serializers.Serializer):
 # ---------------------------------------------------------------------------------------------- endpoints
 
 
-class EndpointSerializer(serializers.ModelSerializer):
+# http(s)://host[:port][/path]. Unlike Django's URLValidator, single-label hosts are fine: model servers are
+# often reached by a compose service or cluster name (http://vllm:8000). The same regex is the schema's pattern.
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+BASE_URL_REGEX = rf"^https?://(?:[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::{_PORT})?(?:/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?$"
+validate_base_url = RegexValidator(BASE_URL_REGEX, "Enter a valid http(s) URL, e.g. http://127.0.0.1:8000")
+
+
+class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
+    name = serializers.CharField(min_length=1, max_length=200)
+    model_name = serializers.CharField(min_length=1, max_length=300, help_text="The model name the server serves")
+    base_url = serializers.CharField(max_length=500, validators=[validate_base_url],
+                                     help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
     api_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500,
                                     style={"input_type": "password"},
                                     help_text="Write-only: never returned; see has_api_key")
     has_api_key = serializers.BooleanField(read_only=True)
     owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
-    replica_urls = serializers.ListField(child=serializers.URLField(max_length=500), required=False,
+    replica_urls = serializers.ListField(child=serializers.CharField(max_length=500, validators=[validate_base_url]),
+                                         required=False,
                                          max_length=256, help_text="Extra replica base URLs")
     request_timeout_s = serializers.FloatField(min_value=0.1, max_value=86400, required=False)
     connect_timeout_s = serializers.FloatField(min_value=0.1, max_value=3600, required=False)
@@ -149,7 +206,7 @@ class VisiblePrimaryKeyField(serializers.PrimaryKeyRelatedField):
         return super().to_internal_value(data)
 
 
-class JobCreateSerializer(serializers.Serializer):
+class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
     """Every parameter of ng_collect_rollouts, plus the verifier and distribution settings."""
 
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
@@ -162,17 +219,11 @@ class JobCreateSerializer(serializers.Serializer):
     parallelism_auto = serializers.BooleanField(default=False)
     responses_create_params = serializers.DictField(required=False, default=dict,
                                                     help_text="Overrides merged into every row (temperature, top_p, max_output_tokens, ...)")
-    verifier = serializers.CharField(max_length=50, default="math")
+    verifier = serializers.ChoiceField(choices=_known_verifiers(), default="math")
     verifier_options = serializers.DictField(required=False, default=dict)
     verify_mode = serializers.ChoiceField(choices=CollectionJob.VerifyMode.choices, default="inline")
     chunk_size = serializers.IntegerField(min_value=1, max_value=10_000_000, default=5000)
     profiling_enabled = serializers.BooleanField(default=False)
-
-    def validate_verifier(self, value):
-        known = _known_verifiers()
-        if value not in known:
-            raise serializers.ValidationError(f"unknown verifier {value!r}; known: {', '.join(known)}")
-        return value
 
     def validate_dataset(self, value):
         if value.status != Dataset.Status.READY:

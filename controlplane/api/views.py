@@ -15,7 +15,7 @@ from rest_framework import generics, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -60,8 +60,13 @@ class ApiMixin:
 
 
 def _query(serializer_cls, request):
+    """Validate query parameters. An empty value (`?since=`) is an error, not "absent"."""
     ser = serializer_cls(data=request.query_params)
     ser.is_valid(raise_exception=True)
+    blank = {name: ["This parameter may not be blank."] for name, field in ser.fields.items()
+             if request.query_params.get(name) == "" and not getattr(field, "allow_blank", False)}
+    if blank:
+        raise ValidationError(blank)
     return ser.validated_data
 
 
@@ -184,7 +189,7 @@ def _rejection_body(exc) -> dict:
 )
 class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
     serializer_class = s.EndpointSerializer
-    parser_classes = [JSONParser, FormParser, MultiPartParser]
+    parser_classes = [JSONParser]
 
     def get_queryset(self):
         return visible_endpoints(self.request.user).select_related("owner")
@@ -234,15 +239,15 @@ def _job_params_match(job, data) -> bool:
 
 
 @extend_schema_view(
-    list=extend_schema(summary="List jobs", parameters=[s.JobListQuerySerializer],
-                       responses={200: s.JobSerializer(many=True), **errors(400, 401, 429)}),
+    list=extend_schema(summary="List jobs (newest first)", parameters=[s.JobListQuerySerializer],
+                       responses={200: s.JobSerializer(many=True), **errors(400, 401, 404, 429)}),
     retrieve=extend_schema(summary="Job detail: progress, aggregate metrics, timing summary",
                            responses={200: s.JobDetailSerializer, **errors(*READ_ERRORS)}),
 )
 class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Collection jobs. Another user's job answers 404."""
 
-    parser_classes = [JSONParser, FormParser, MultiPartParser]
+    parser_classes = [JSONParser]
     pagination_class = JobCursorPagination
 
     def get_queryset(self):
@@ -348,10 +353,9 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     )
     @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, NDJSONRenderer])
     def export(self, request, pk=None):
-        from controlplane.jobs.export import iter_export_lines
-
         job = self.get_object()
         which = _query(s.ExportQuerySerializer, request)["which"]
+        from controlplane.jobs.export import iter_export_lines
         response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
                                          content_type=f"{NDJSON}; charset=utf-8")
         suffix = "" if which == "ok" else "_failures"

@@ -1,0 +1,80 @@
+"""Schema-driven fuzzing of the whole API with schemathesis (OpenAPI from drf-spectacular, served over WSGI).
+
+Every operation gets a modest number of generated requests (positive and negative data), sent with a real
+user's token; half of the cases are pointed at objects that exist, so the happy paths are fuzzed too.
+All of schemathesis's default checks run: no 5xx, status codes / content types / bodies that conform to
+the schema, bad input rejected, and so on."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings as hyp_settings
+
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from .conftest import add_rollouts, make_job
+
+MAX_EXAMPLES = 10
+
+# Operations whose validity depends on more than the schema can say, so that schema-valid input may rightly
+# be refused with 400: credentials (token), the *content* of an uploaded file (every line is validated),
+# and references to stored objects (a job's dataset must exist, be visible and be ready). Every other
+# check still runs on them (no 5xx, conforming status codes, content types and bodies, ...).
+STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/"}
+
+
+@pytest.fixture
+def api_schema(db, alice):
+    """Loaded from the real WSGI app. As Django's own test client does, keep the request signals from closing
+    the test's database connection (the test runs inside one transaction)."""
+    from django.core import signals
+    from django.db import close_old_connections
+
+    from controlplane.wsgi import application
+
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    try:
+        yield schemathesis.openapi.from_wsgi("/api/schema/?format=json", application)
+    finally:
+        signals.request_started.connect(close_old_connections)
+        signals.request_finished.connect(close_old_connections)
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.fixture
+def world(alice):
+    job = make_job(alice, limit=3)
+    add_rollouts(job, 5, failed_every=2)
+    return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint}
+
+
+@schema.parametrize()
+@hyp_settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+def test_api_conforms_to_schema(case, world):
+    path = case.operation.path
+    params = case.path_parameters or {}
+    # Half the cases hit real objects (ids are otherwise random and almost always 404). Only valid ids are
+    # swapped, so a case generated to be schema-violating stays so.
+    if params and all(re.fullmatch(r"[0-9]{1,18}", str(v)) for v in params.values()) \
+            and hash(repr(case.query) + repr(case.body)) % 2 == 0:
+        if path.startswith("/api/jobs/"):
+            key = "job_id" if "job_id" in params else "id"
+            params[key] = str(world["job"].pk)
+        elif path.startswith("/api/datasets/"):
+            params["id"] = str(world["dataset"].pk)
+        elif path.startswith("/api/endpoints/"):
+            params["id"] = str(world["endpoint"].pk)
+    if path == "/api/endpoints/{id}/health/" or path == "/api/endpoints/{id}/prewarm/":
+        # these contact the model server: keep them local and quick
+        world["endpoint"].base_url, world["endpoint"].connect_timeout_s = "http://127.0.0.1:9", 0.2
+        world["endpoint"].request_timeout_s = 0.5
+        world["endpoint"].save()
+    excluded = [positive_data_acceptance] if f"{case.method.upper()} {path}" in STATEFUL_VALIDITY else []
+    case.call_and_validate(headers={"Authorization": f"Token {world['alice'].auth_token.key}"},
+                           excluded_checks=excluded)
