@@ -270,6 +270,13 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not valid JSON (PostgreSQL cannot store it)")
 
 
+def _parse_float(text):
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:30]} is out of range")
+    return value
+
+
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -306,7 +313,7 @@ def _parse_line(raw: bytes) -> tuple[dict | None, str, str | None]:
     except UnicodeDecodeError as e:
         return None, "", f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})"
     try:
-        row = json.loads(text, parse_constant=_reject_constant)
+        row = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
     except json.JSONDecodeError as e:
         return None, "", f"not valid JSON: {e.msg} at column {e.colno} (char {e.pos})"
     except ValueError as e:  # NaN / Infinity

@@ -57,6 +57,7 @@ BAD_FILE_LINES = [
     ('{"responses_create_params": {"input": "hi", "max_output_tokens": 1.5}}', "max_output_tokens must be a positive integer"),
     ('{"responses_create_params": {"input": "hi", "tools": {}}}', "tools must be an array"),
     ('{"responses_create_params": {"input": "hi", "temperature": NaN}}', "not valid JSON"),
+    ('{"responses_create_params": {"input": "hi"}, "score": 1e400}', "out of range"),
     ("", None),  # blank: skipped, not bad
     ("   ", None),  # whitespace only: skipped
     ('{"responses_create_params": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "ok"}]}]}}', None),
