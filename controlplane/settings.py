@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "controlplane.jobs",
     "controlplane.dashboard",
     "controlplane.api",
+    "controlplane.diagnostics",
 ]
 
 MIDDLEWARE = [

@@ -63,7 +63,7 @@ class SweepResult:
     best_parallelism: int | None
     best_rollouts_per_s: float | None
     speedup: float | None  # best / first level throughput
-    hint: str  # "model" | "verification_or_network" | "overloaded" | "mixed" | "no_data"
+    hint: str  # "model" | "verification" | "verification_or_network" | "overloaded" | "mixed" | "no_data"
     interpretation: str
     stopped_reason: str
     elapsed_s: float = 0.0
@@ -178,6 +178,14 @@ def analyze(points: list[SweepPoint], error_threshold: float = ERROR_THRESHOLD, 
                      f"at {knee_pt.rollouts_per_s:.1f} rollouts/s.")
         if speedup is not None and speedup >= SCALED_A_LOT:
             parts.append(f"Below that, throughput scaled {speedup:.1f}x: the model was the bottleneck at low parallelism.")
+    elif _queued_in_verification(points, knee_pt):
+        hint = "verification"
+        hi = max(points, key=lambda p: p.parallelism)
+        parts.append(f"Throughput stops rising at parallelism {knee} ({knee_pt.rollouts_per_s:.1f} rollouts/s): beyond it "
+                     f"requests wait for the verifier (verify time {first.verify_ms or 0:.0f} ms at {first.parallelism} -> "
+                     f"{hi.verify_ms or 0:.0f} ms at {hi.parallelism}, model time {first.model_ms or 0:.0f} -> "
+                     f"{hi.model_ms or 0:.0f} ms): verification is the bottleneck, not the model -> optimize "
+                     f"verification (cache, fast mode, defer). Recommended: {rec}.")
     elif speedup is not None and speedup >= SCALED_A_LOT:
         hint = "model"
         parts.append(f"Time fell a lot ({speedup:.1f}x the throughput of parallelism {first.parallelism}): the model was the "
@@ -195,6 +203,17 @@ def analyze(points: list[SweepPoint], error_threshold: float = ERROR_THRESHOLD, 
     return SweepResult(points=points, knee=knee, recommended=rec, best_parallelism=best.parallelism,
                        best_rollouts_per_s=round(best.rollouts_per_s, 3), speedup=round(speedup, 3) if speedup else None,
                        hint=hint, interpretation=" ".join(parts), stopped_reason=stopped_reason)
+
+
+def _queued_in_verification(points: list[SweepPoint], knee_pt: SweepPoint) -> bool:
+    """Past the knee, did the extra latency pile up in verification rather than at the model?"""
+    hi = max(points, key=lambda p: p.parallelism)
+    lo = min(points, key=lambda p: p.parallelism)
+    if hi.parallelism <= knee_pt.parallelism or hi.verify_ms is None or lo.verify_ms is None:
+        return False
+    d_verify = hi.verify_ms - lo.verify_ms
+    d_model = (hi.model_ms or 0.0) - (lo.model_ms or 0.0)
+    return hi.verify_ms >= 2.0 * max(lo.verify_ms, 1.0) and d_verify > d_model
 
 
 async def run_level(spec: CollectionSpec, sample: list[dict], parallelism: int, n: int, sink=None) -> SweepPoint:
@@ -248,7 +267,7 @@ async def run_sweep(
 ) -> SweepResult:
     """Run the sweep (see the module docstring). `sample` are dataset rows (dicts with
     responses_create_params). `on_point(point)` is called (and awaited if it returns an awaitable) after
-    each level; `should_stop()` is checked between levels."""
+    each level; `should_stop()` (may return an awaitable) is checked between levels."""
     rows = list(sample)
     if not rows:
         raise ValueError("the sweep needs at least one task row")
@@ -259,9 +278,13 @@ async def run_sweep(
     reason = "reached the highest level"
     t0 = time.monotonic()
     for p in levels:
-        if should_stop is not None and should_stop():
-            reason = "stopped by request"
-            break
+        if should_stop is not None:
+            stop = should_stop()
+            if inspect.isawaitable(stop):
+                stop = await stop
+            if stop:
+                reason = "stopped by request"
+                break
         n = min(max_tasks_per_level, max(min_tasks, waves * p))
         point = await run_level(spec, rows, p, n, sink_factory(p) if sink_factory else None)
         points.append(point)

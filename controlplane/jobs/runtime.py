@@ -129,7 +129,10 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             control = DbControl(job=job, db=db, sink=sink)
             from workers.engine.runner import run_collection
 
-            summary = asyncio.run(run_collection(build_spec(job, worker_name), tasks, sink, control))
+            from controlplane.diagnostics.services import instrument_run  # telemetry + adaptive concurrency
+
+            spec = build_spec(job, worker_name)
+            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(job, spec, sink, control)))
         finally:
             db.close()
         logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",

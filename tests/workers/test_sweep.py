@@ -65,3 +65,12 @@ async def test_sweep_on_simulator_capacity_64_recommends_within_one_step(simulat
     assert result.elapsed_s < 60
     d = result.to_dict()
     assert d["points"][0]["parallelism"] == 8 and "interpretation" in d
+
+
+def test_queueing_in_verification_past_the_knee():
+    pts = [pt(1, 16), pt(2, 37), pt(4, 40), pt(8, 39)]
+    for p, v in zip(pts, (15, 20, 60, 140)):
+        p.verify_ms, p.model_ms = v, 20
+    r = analyze(pts)
+    assert r.hint == "verification"
+    assert "verification is the bottleneck" in r.interpretation

@@ -208,7 +208,10 @@ def diagnose(ev: Evidence) -> Diagnosis:
     gpu_busy = r.check("gpu_utilization", ev.gpu_util_mean, GPU_BUSY_PCT, "mean GPU utilization (NVML)", MODEL, 1.5)
     saturated |= gpu_busy
     sweep_ratio = None
-    if ev.sweep and ev.sweep.get("points"):
+    if ev.sweep and ev.sweep.get("hint") == "verification":
+        r.check("sweep_queued_in_verification", 1.0, 1.0, "the sweep saw requests pile up in verification past its knee",
+                VERIFICATION, 1.5)
+    elif ev.sweep and ev.sweep.get("points"):
         pts = [p for p in ev.sweep["points"] if p.get("rollouts_per_s")]
         if pts:
             best = max(p["rollouts_per_s"] for p in pts)

@@ -1,0 +1,226 @@
+"""Diagnostics services: evidence for a job from stored data -> the classifier; parallelism sweeps; and
+what a job run needs to carry telemetry and the adaptive controller.
+
+Evidence comes from what the jobs runtime already stores:
+- JobMetricSample rows (one per progress tick per worker): counts, in-flight, parallelism, errors by class,
+  and `extra["telemetry"]` (worker CPU / loop lag / GPU / vLLM /metrics, written by TelemetrySink) and
+  `extra["adaptive"]` (the controller's decisions);
+- Rollout rows: exact timing means (queue / TTFT / generation / verify / wall) and failure classes;
+- the job and endpoint configuration (parallelism, RPM limit, timeouts, max_output_tokens, verifier);
+- the latest completed ParallelismSweep on the same endpoint, when there is one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Avg, Count, Q
+from django.utils import timezone
+
+from workers.diagnosis import Diagnosis, build_evidence, diagnose
+
+from .models import ParallelismSweep
+
+logger = logging.getLogger(__name__)
+
+TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
+MAX_SAMPLES = 5000  # newest metric samples considered
+
+
+# ------------------------------------------------------------------------------------------ evidence
+def job_config(job) -> dict:
+    ep = job.endpoint
+    rcp = job.responses_create_params or {}
+    max_out = rcp.get("max_output_tokens") or rcp.get("max_tokens") or rcp.get("max_completion_tokens")
+    return {
+        "parallelism": job.effective_parallelism,
+        "rpm_limit": getattr(ep, "rpm_limit", None),
+        "request_timeout_s": getattr(ep, "request_timeout_s", None),
+        "max_output_tokens": max_out if isinstance(max_out, int) else None,
+        "verifier": job.verifier,
+        "verify_mode": job.verify_mode,
+        # not stored on the endpoint model; may be given in the endpoint's last health report
+        "max_num_seqs": (getattr(ep, "last_health", None) or {}).get("max_num_seqs"),
+        "max_model_len": (getattr(ep, "last_health", None) or {}).get("max_model_len"),
+    }
+
+
+def rollout_stats(job) -> dict:
+    from controlplane.jobs.models import Rollout
+
+    qs = Rollout.objects.filter(job_id=job.pk)
+    agg = qs.aggregate(n=Count("id"), ok=Count("id", filter=Q(status=Rollout.Status.OK)),
+                       **{f: Avg(f, filter=Q(status=Rollout.Status.OK)) for f in TIMING_FIELDS})
+    out = {"n": agg["n"], "ok": agg["ok"], "failed": agg["n"] - agg["ok"]}
+    for f in TIMING_FIELDS:
+        out[f] = agg[f]
+    out["failure_classes"] = dict(qs.exclude(failure_class="").values_list("failure_class")
+                                  .annotate(c=Count("id")).order_by())
+    return out
+
+
+def job_ticks(job, limit: int = MAX_SAMPLES) -> list[dict]:
+    from controlplane.jobs.models import JobMetricSample
+
+    rows = list(JobMetricSample.objects.filter(job_id=job.pk).order_by("-t")
+                .values("worker", "t", "elapsed_s", "completed", "failed", "in_flight", "parallelism",
+                        "samples_per_s", "output_tokens_per_s", "errors", "extra")[:limit])
+    rows.reverse()
+    return rows
+
+
+def latest_sweep(job) -> ParallelismSweep | None:
+    return (ParallelismSweep.objects.filter(endpoint_id=job.endpoint_id, state=ParallelismSweep.State.COMPLETED)
+            .order_by("-finished_at").first())
+
+
+def diagnose_job(job) -> Diagnosis:
+    """Evidence from stored data -> the classifier (pure)."""
+    ticks = job_ticks(job)
+    stats = rollout_stats(job)
+    sweep = latest_sweep(job)
+    ev = build_evidence(ticks, config=job_config(job), rollout_stats=stats,
+                        sweep=sweep.as_result_dict() if sweep else None)
+    return diagnose(ev)
+
+
+def adaptive_decisions(job, limit: int = 200) -> list[dict]:
+    """The adaptive controller's decisions for a job, oldest first, from the metric samples."""
+    out: list[dict] = []
+    for row in job_ticks(job):
+        ad = (row.get("extra") or {}).get("adaptive") or {}
+        for d in ad.get("new_decisions") or []:
+            out.append(dict(d, worker=row.get("worker") or ""))
+    return out[-limit:]
+
+
+def diagnosis_payload(job) -> dict:
+    """What the API and the panel show: the diagnosis, adaptive decisions and the latest sweep."""
+    d = diagnose_job(job)
+    sweep = latest_sweep(job)
+    return {
+        "job": job.pk,
+        "state": job.state,
+        "computed_at": timezone.now().isoformat(),
+        "diagnosis": d.to_dict(),
+        "parallelism_auto": bool(getattr(job, "parallelism_auto", False)),
+        "adaptive_decisions": adaptive_decisions(job),
+        "sweep": sweep_payload(sweep) if sweep else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------ job runs
+def instrument_run(job, spec, sink, control):
+    """What a job run carries: telemetry in every progress tick (stored by the DbSink in
+    JobMetricSample.extra) and, for `parallelism_auto` jobs, the adaptive controller. Returns
+    (sink, control) to hand to run_collection. Never raises: a problem here leaves the run as it was."""
+    try:
+        from workers.telemetry import Telemetry, TelemetrySink
+
+        telemetry = None
+        if getattr(settings, "DIAGNOSTICS_TELEMETRY", True):
+            scrape = getattr(job.endpoint, "kind", "vllm") == "vllm"
+            telemetry = Telemetry(metrics_urls=list(spec.endpoint.base_urls) if scrape else None,
+                                  scrape_interval_s=float(getattr(settings, "DIAGNOSTICS_SCRAPE_INTERVAL_S", 5.0)))
+        if getattr(job, "parallelism_auto", False):
+            from workers.adaptive import AdaptiveConcurrency
+
+            ctl = AdaptiveConcurrency(initial=spec.parallelism,
+                                      max_parallelism=int(getattr(settings, "DIAGNOSTICS_ADAPTIVE_MAX", 1024)),
+                                      telemetry=telemetry)
+            sink = ctl.wrap(sink)
+            control = ctl.control(control)
+        if telemetry is not None:
+            sink = TelemetrySink(sink, telemetry, history=0)
+    except Exception:
+        logger.exception("job %s: could not attach telemetry / adaptive concurrency; running without", job.pk)
+    return sink, control
+
+
+# ------------------------------------------------------------------------------------------ sweeps
+def create_sweep(*, endpoint, dataset=None, job=None, owner=None, sample_size=64, levels=None, start_parallelism=1,
+                 max_parallelism=512, verifier=None, verifier_options=None, verify_mode=None,
+                 responses_create_params=None) -> ParallelismSweep:
+    if job is not None:
+        dataset = dataset or job.dataset
+        verifier = verifier or job.verifier
+        verifier_options = verifier_options if verifier_options is not None else job.verifier_options
+        verify_mode = verify_mode or job.verify_mode
+        responses_create_params = responses_create_params if responses_create_params is not None else job.responses_create_params
+    if dataset is None:
+        raise ValueError("a sweep needs a dataset (or a job to take it from)")
+    if sample_size < 1 or max_parallelism < 1 or start_parallelism < 1:
+        raise ValueError("sample_size, start_parallelism and max_parallelism must be >= 1")
+    return ParallelismSweep.objects.create(
+        owner=owner, endpoint=endpoint, dataset=dataset, job=job, sample_size=sample_size, levels=list(levels or []),
+        start_parallelism=start_parallelism, max_parallelism=max_parallelism, verifier=verifier or "math",
+        verifier_options=verifier_options or {}, verify_mode=verify_mode or "inline",
+        responses_create_params=responses_create_params or {})
+
+
+def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
+    """Run a stored sweep to its end (in this thread), saving each point as it comes."""
+    from controlplane.datasets.services import iter_rows
+    from controlplane.endpoints.services import endpoint_spec
+    from workers.engine.types import CollectionSpec
+    from workers.sweep import run_sweep as engine_sweep
+
+    if sweep.state not in (ParallelismSweep.State.QUEUED, ParallelismSweep.State.FAILED):
+        return sweep
+    sweep.mark(ParallelismSweep.State.RUNNING, points=[], error_message="")
+    try:
+        rows = [row for _, row in iter_rows(sweep.dataset, 0, sweep.sample_size)]
+        spec = CollectionSpec(endpoint=endpoint_spec(sweep.endpoint), parallelism=1,
+                              responses_create_params=dict(sweep.responses_create_params or {}),
+                              verifier=sweep.verifier, verifier_options=dict(sweep.verifier_options or {}),
+                              verify_mode=sweep.verify_mode)
+        points: list[dict] = []
+
+        def in_thread(fn):
+            """Database work from the sweep's event loop: in a thread, closing its connection after."""
+            from django.db import connection
+
+            def run():
+                try:
+                    return fn()
+                finally:
+                    connection.close()
+
+            return asyncio.to_thread(run)
+
+        def on_point(p):
+            from dataclasses import asdict
+
+            points.append(asdict(p))
+            snapshot = list(points)
+            return in_thread(lambda: ParallelismSweep.objects.filter(pk=sweep.pk).update(points=snapshot))
+
+        def should_stop():
+            return in_thread(lambda: ParallelismSweep.objects.filter(
+                pk=sweep.pk, state=ParallelismSweep.State.CANCELLED).exists())
+
+        result = asyncio.run(engine_sweep(spec, rows, levels=sweep.levels or None, start=sweep.start_parallelism,
+                                          max_parallelism=sweep.max_parallelism, on_point=on_point,
+                                          should_stop=should_stop))
+        sweep.refresh_from_db(fields=["state"])
+        final = ParallelismSweep.State.CANCELLED if sweep.state == ParallelismSweep.State.CANCELLED else ParallelismSweep.State.COMPLETED
+        sweep.mark(final, points=result.to_dict()["points"], knee=result.knee, recommended=result.recommended,
+                   best_rollouts_per_s=result.best_rollouts_per_s, speedup=result.speedup, hint=result.hint,
+                   interpretation=result.interpretation, stopped_reason=result.stopped_reason[:300])
+    except Exception as exc:
+        logger.exception("sweep %s failed", sweep.pk)
+        sweep.mark(ParallelismSweep.State.FAILED, error_message=f"{type(exc).__name__}: {exc}"[:5000])
+    return sweep
+
+
+def sweep_payload(sweep: ParallelismSweep) -> dict:
+    return {
+        "id": sweep.pk, "state": sweep.state, "endpoint": sweep.endpoint_id, "dataset": sweep.dataset_id,
+        "job": sweep.job_id, "sample_size": sweep.sample_size, "points": sweep.points, "knee": sweep.knee,
+        "recommended": sweep.recommended, "best_rollouts_per_s": sweep.best_rollouts_per_s, "speedup": sweep.speedup,
+        "hint": sweep.hint, "interpretation": sweep.interpretation, "stopped_reason": sweep.stopped_reason,
+        "error": sweep.error_message, "created_at": sweep.created_at.isoformat() if sweep.created_at else None,
+        "finished_at": sweep.finished_at.isoformat() if sweep.finished_at else None,
+    }

@@ -1,0 +1,13 @@
+"""Mounted under /api/ (before the API's catch-all):  path("api/", include("controlplane.diagnostics.urls"))"""
+from django.urls import re_path
+
+from . import api
+
+app_name = "diagnostics"
+ID = r"[0-9]{1,18}"
+
+urlpatterns = [
+    re_path(rf"^jobs/(?P<job_id>{ID})/diagnosis/$", api.JobDiagnosisView.as_view(), name="job-diagnosis"),
+    re_path(r"^sweeps/$", api.SweepListView.as_view(), name="sweeps"),
+    re_path(rf"^sweeps/(?P<sweep_id>{ID})/$", api.SweepDetailView.as_view(), name="sweep-detail"),
+]
