@@ -49,7 +49,7 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
     }
 
 
-def publish_job_state(job) -> bool:
+def publish_job_state(job, timeout: float = 2.0) -> bool:
     """Publish the job's current state and counts from sync code (services, tasks, admin).
     Never raises: a missing or unreachable channel layer is logged and ignored."""
     try:
@@ -59,7 +59,12 @@ def publish_job_state(job) -> bool:
         layer = get_channel_layer()
         if layer is None:
             return False
-        async_to_sync(layer.group_send)(job_group(job.pk), progress_payload(job))
+        import asyncio
+
+        async def send(message):
+            await asyncio.wait_for(layer.group_send(job_group(job.pk), message), timeout=timeout)
+
+        async_to_sync(send)(progress_payload(job))
         return True
     except Exception as exc:  # Redis down, or called from inside an event loop
         logger.warning("could not publish state of job %s: %s", job.pk, exc)

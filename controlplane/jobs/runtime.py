@@ -35,6 +35,7 @@ from .models import CollectionJob, JobChunk, JobState
 logger = logging.getLogger(__name__)
 
 ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+MAX_INCOMPLETE_ATTEMPTS = 3
 
 
 def default_worker_name(kind="worker"):
@@ -101,6 +102,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
     "paused" / "cancelled"  the job was paused or cancelled mid-run; the chunk is pending again
     "failed"      the job was failed with a clear message (fatal engine error or an exception here)
     "lost_lease"  this worker stalled and another took the chunk over; it finishes the chunk
+    "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
     """
     from . import services
     from .sink import ChunkTasks, DbControl, DbSink, DbThread
@@ -152,11 +154,19 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             if redispatch and job.state in ACTIVE:  # resumed while we were stopping: run it again
                 services.dispatch_chunks(job, [chunk_id])
             return "paused" if summary.paused else "cancelled"
-        if sink.received < tasks.emitted:
+        stored, expected = tasks.stored_count(), tasks.expected_count
+        if stored < expected:  # never mark a chunk done with pairs missing
             release_lease(chunk_id, lease)
-            services.fail_job(job, f"Internal error: the engine returned {sink.received} of {tasks.emitted} "
-                                   f"rollouts of chunk {chunk.index}; resume the job to collect the rest")
-            return "failed"
+            chunk.refresh_from_db(fields=["attempts"])
+            logger.error("job %s chunk %s: %d of %d rollouts stored after a complete run (engine returned %d of "
+                         "%d)", job.pk, chunk.index, stored, expected, sink.received, tasks.emitted)
+            if chunk.attempts >= MAX_INCOMPLETE_ATTEMPTS:
+                services.fail_job(job, f"Internal error: chunk {chunk.index} still misses {expected - stored} of "
+                                       f"{expected} rollouts after {chunk.attempts} attempts; resume to retry")
+                return "failed"
+            if redispatch:
+                services.dispatch_chunks(job, [chunk_id])
+            return "incomplete"
         now = timezone.now()
         if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
                 state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):

@@ -146,7 +146,7 @@ class DbSink:
 
         self._flush_lock: asyncio.Lock | None = None
         self._timer: asyncio.Task | None = None
-        self._bg: set[asyncio.Task] = set()
+        self._writes: set[asyncio.Task] = set()
         self._last_flush = time.monotonic()
         self._publishing: asyncio.Task | None = None
         self._publish_dirty = False
@@ -180,8 +180,10 @@ class DbSink:
             return
         self._closed = True
         if self._timer is not None:
-            self._timer.cancel()
+            self._timer.cancel()  # safe: a write it started is shielded and awaited below
             await asyncio.gather(self._timer, return_exceptions=True)
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
         await self._flush()
         if self._publish_handle is not None:
             self._publish_handle.cancel()
@@ -201,24 +203,37 @@ class DbSink:
             if self.buffer and time.monotonic() - self._last_flush >= self.flush_interval_s:
                 try:
                     await self._flush()
-                except Exception as exc:
-                    # surface the failure to the engine through the next rollout() call
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
                     logger.exception("job %s: writing rollouts failed", self.job_id)
-                    self._failed_flush = exc
-                    return
+                    return  # the error is re-raised to the engine by the next rollout() / close()
 
     async def _flush(self):
+        """Write the buffer. The write runs in its own task, shielded: cancelling the caller (the
+        engine stopping a worker, close() stopping the timer) never drops a batch taken from the
+        buffer, and its bookkeeping always completes."""
         if self._failed_flush is not None:
             exc, self._failed_flush = self._failed_flush, None
             raise exc
         if self._flush_lock is None:
             self._ensure_started()
+        write = asyncio.get_running_loop().create_task(self._write_buffer())
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        await asyncio.shield(write)
+
+    async def _write_buffer(self):
         async with self._flush_lock:
             self._last_flush = time.monotonic()
             if not self.buffer:
                 return
             batch, self.buffer = self.buffer, []
-            ok, failed, job_row, lease_ok = await self.db.acall(self._write_batch, batch)
+            try:
+                ok, failed, job_row, lease_ok = await self.db.acall(self._write_batch, batch)
+            except BaseException as exc:
+                self._failed_flush = exc  # also raised here to the caller that awaited this write
+                raise
         self.inserted_ok += ok
         self.inserted_failed += failed
         self.duplicates += len(batch) - ok - failed
@@ -400,6 +415,7 @@ class ChunkTasks:
         self.page_rows = page_rows
         self.emitted = 0
         self.skipped = 0
+        self.task_ids: set[int] = set()  # every task index of the chunk (to verify completeness after the run)
 
     def _page(self, start):
         from controlplane.datasets.services import iter_rows
@@ -418,6 +434,18 @@ class ChunkTasks:
                            .values_list("task_index", "rollout_index"))
         return rows, existing, stop
 
+    def stored_count(self) -> int:
+        """How many of the chunk's (task, repeat) pairs are in the table now."""
+        qs = Rollout.objects.filter(job_id=self.job_id)
+        ids = self.task_ids
+        if ids and len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of row indices
+            return qs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
+        return qs.filter(task_index__in=ids).count() if ids else 0
+
+    @property
+    def expected_count(self) -> int:
+        return len(self.task_ids) * self.num_repeats
+
     def __iter__(self):
         if self.start >= self.end:
             return
@@ -426,6 +454,7 @@ class ChunkTasks:
             rows, existing, stop = future.result()
             future = self.db.executor.submit(self._page, stop) if stop < self.end else None
             for item in materialize(rows, self.num_repeats):
+                self.task_ids.add(item.task_index)
                 if (item.task_index, item.rollout_index) in existing:
                     self.skipped += 1
                     continue

@@ -93,7 +93,7 @@ def test_sigkill_worker_mid_job_is_exactly_once(user, math_dataset, sim_endpoint
         # dispatch the job's chunks onto the isolated queue (what create_job(launch=True) does on the default one)
         from celery import Celery
 
-        sender = Celery("e2e-sender", broker=os.environ.get("CELERY_BROKER_URL") or _redis_url())
+        sender = Celery("e2e-sender", broker=_redis_url(), set_as_current=False)  # never the app tasks use
         with sender.connection_for_write() as conn:
             for chunk_id in job.chunks.values_list("pk", flat=True):
                 sender.send_task("controlplane.jobs.tasks.run_chunk_task", args=[chunk_id], queue=queue,

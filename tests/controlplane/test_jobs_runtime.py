@@ -229,3 +229,32 @@ def test_pause_then_resume_completes_exactly_once(user, math_dataset, sim_endpoi
     assert job.state == JobState.COMPLETED
     assert Rollout.objects.filter(job=job).count() == 120 and pairs_are_unique(job)
     assert job.completed_count + job.failed_count == 120
+
+
+@pytest.fixture
+def celery_eager():
+    """Tasks run in this process when sent (the dispatch path, without a worker; the e2e test has real ones)."""
+    from controlplane.celery import app
+
+    before = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    yield app
+    app.conf.task_always_eager = before
+
+
+def test_launch_dispatches_one_task_per_chunk(user, math_dataset, sim_endpoint, simulator_factory, celery_eager):
+    sim = simulator_factory(seed=8, ttft_ms=1, itl_ms=0)
+    job = services.create_job(owner=user, dataset=math_dataset(25), endpoint=sim_endpoint(sim.url),
+                              chunk_size=10, launch=True)
+    job.refresh_from_db()
+    assert job.state == JobState.COMPLETED and job.completed_count + job.failed_count == 25
+    assert list(job.chunks.values_list("attempts", flat=True)) == [1, 1, 1]
+    assert all(job.chunks.values_list("dispatched_at", flat=True))
+    # a duplicate message for a finished chunk is a no-op
+    from controlplane.jobs.tasks import run_chunk_task
+
+    assert run_chunk_task.delay(job.chunks.first().pk).get() == "skipped"
+    # retry_failed with nothing failed re-runs the chunks and stores nothing new
+    services.retry_failed(job)
+    job.refresh_from_db()
+    assert job.state == JobState.COMPLETED and Rollout.objects.filter(job=job).count() == 25
