@@ -88,6 +88,13 @@ class DatasetUploadSerializer(serializers.Serializer):
                                               help_text="Keep the good lines of a file with bad lines")
 
 
+class DatasetListQuerySerializer(serializers.Serializer):
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$", required=False,
+                                    help_text="Only datasets with this content hash (lets a CI run reuse an upload)")
+    status = serializers.ChoiceField(choices=Dataset.Status.choices, required=False)
+    name = serializers.CharField(max_length=200, required=False)
+
+
 class DatasetUploadQuerySerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     description = serializers.CharField(required=False, allow_blank=True, default="")
@@ -324,7 +331,8 @@ class JobMetricSampleSerializer(serializers.ModelSerializer):
 
 
 class ExportQuerySerializer(serializers.Serializer):
-    which = serializers.ChoiceField(choices=["ok", "failed"], default="ok")
+    which = serializers.ChoiceField(choices=["ok", "failed", "all"], default="ok",
+                                    help_text="ok: the output rows; failed: the failures (with failure_class); all: both")
 
 
 class ErrorSerializer(serializers.Serializer):

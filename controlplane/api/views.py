@@ -74,7 +74,8 @@ def _query(serializer_cls, request):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="List datasets", responses={200: s.DatasetSerializer(many=True), **errors(401, 429)}),
+    list=extend_schema(summary="List datasets", parameters=[s.DatasetListQuerySerializer],
+                       responses={200: s.DatasetSerializer(many=True), **errors(400, 401, 429)}),
     retrieve=extend_schema(summary="Dataset detail (with the validation report)",
                            responses={200: s.DatasetDetailSerializer, **errors(*READ_ERRORS)}),
     destroy=extend_schema(summary="Delete a dataset (409 while jobs use it)",
@@ -85,7 +86,13 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
     parser_classes = [MultiPartParser, NDJSONParser, JSONLinesParser]
 
     def get_queryset(self):
-        return visible_datasets(self.request.user).select_related("owner")
+        qs = visible_datasets(self.request.user).select_related("owner")
+        if self.action == "list":
+            q = _query(s.DatasetListQuerySerializer, self.request)
+            for key in ("sha256", "status", "name"):
+                if key in q:
+                    qs = qs.filter(**{key: q[key]})
+        return qs
 
     def get_serializer_class(self):
         return s.DatasetDetailSerializer if self.action == "retrieve" else s.DatasetSerializer
@@ -358,7 +365,7 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         from controlplane.jobs.export import iter_export_lines
         response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
                                          content_type=f"{NDJSON}; charset=utf-8")
-        suffix = "" if which == "ok" else "_failures"
+        suffix = {"ok": "", "failed": "_failures", "all": "_all"}[which]
         response["Content-Disposition"] = f'attachment; filename="job-{job.pk}{suffix}.jsonl"'
         response["X-Job-State"] = job.state
         return response

@@ -113,3 +113,16 @@ def test_delete_and_conflict_when_used(api, alice):
     r = api.delete(f"/api/datasets/{job.dataset_id}/")
     assert r.status_code == 409 and "job" in r.json()["detail"]
     assert Dataset.objects.filter(pk=job.dataset_id).exists()
+
+
+def test_list_filters_by_sha256_status_name(api, alice):
+    import hashlib
+
+    body = jsonl_bytes(task_line(i) for i in range(4))
+    d = make_dataset(alice, n=4, name="four")
+    sha = hashlib.sha256(body).hexdigest()
+    assert d.sha256 == sha
+    make_dataset(alice, n=2, name="two")
+    assert [x["id"] for x in api.get(f"/api/datasets/?sha256={sha}&status=ready").json()] == [d.pk]
+    assert [x["id"] for x in api.get("/api/datasets/?name=four").json()] == [d.pk]
+    assert api.get("/api/datasets/?sha256=xyz").status_code == 400

@@ -1,0 +1,404 @@
+"""Command line: submit, wait, gate, export, and run (all four). See the package docstring."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__
+from .client import ApiError, Client
+
+TERMINAL_STATES = {"completed", "failed", "cancelled"}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- gates
+class GateAction(argparse.Action):
+    """`--metric NAME` starts a gate; the `--min`/`--max` after it belong to it (repeatable):
+    --metric mean/reward --min 0.7 --metric mean/output_tokens --max 512"""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        gates = getattr(namespace, "gates", None) or []
+        if option_string in ("--metric", "--gate"):
+            gates.append({"metric": values, "min": None, "max": None})
+        else:
+            if not gates:
+                parser.error(f"{option_string} must follow --metric NAME")
+            key = option_string.lstrip("-")
+            if gates[-1][key] is not None:
+                parser.error(f"{option_string} given twice for --metric {gates[-1]['metric']}")
+            gates[-1][key] = values
+        namespace.gates = gates
+
+
+def _fmt_pair(a: float, b: float) -> tuple[str, str]:
+    """Format two numbers with enough digits to tell them apart (0.41 vs 0.70; 0.6999 vs 0.7000)."""
+    for digits in range(2, 10):
+        sa, sb = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if sa != sb or a == b:
+            if abs(a) >= 1e6 or abs(b) >= 1e6 or (0 < abs(a) < 1e-2 and 0 < abs(b) < 1e-2):
+                return f"{a:.6g}", f"{b:.6g}"
+            return sa, sb
+    return repr(a), repr(b)
+
+
+def lookup_metric(job: dict, name: str):
+    """A gate's metric: a key of the job's aggregate_metrics (e.g. mean/reward, pass@4/reward), or one of
+    the job-level numbers: failed_fraction, completed, failed, total."""
+    agg = job.get("aggregate_metrics") or {}
+    if name in agg:
+        return agg[name]
+    progress = job.get("progress") or {}
+    derived = {
+        "completed": progress.get("completed"), "failed": progress.get("failed"), "total": progress.get("total"),
+        "failed_fraction": (progress.get("failed", 0) / progress["total"]) if progress.get("total") else None,
+    }
+    return derived.get(name)
+
+
+def evaluate_gates(job: dict, gates: list[dict]) -> list[str]:
+    """Return one message per failed gate (empty: all passed)."""
+    failures = []
+    for gate in gates:
+        name = gate["metric"]
+        value = lookup_metric(job, name)
+        if value is None or not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            known = sorted(k for k, v in (job.get("aggregate_metrics") or {}).items() if isinstance(v, (int, float)))
+            failures.append(f"gate failed: metric {name} is not available for job {job['id']} "
+                            f"(known: {', '.join(known[:30]) or 'none'})")
+            continue
+        if gate["min"] is not None and value < gate["min"]:
+            v, t = _fmt_pair(value, gate["min"])
+            failures.append(f"gate failed: {name} = {v} < min {t}")
+        if gate["max"] is not None and value > gate["max"]:
+            v, t = _fmt_pair(value, gate["max"])
+            failures.append(f"gate failed: {name} = {v} > max {t}")
+    return failures
+
+
+def _gate_ok_line(job: dict, gate: dict) -> str:
+    value = lookup_metric(job, gate["metric"])
+    bounds = []
+    if gate["min"] is not None:
+        bounds.append(f">= min {_fmt_pair(value, gate['min'])[1]}")
+    if gate["max"] is not None:
+        bounds.append(f"<= max {_fmt_pair(value, gate['max'])[1]}")
+    return f"gate passed: {gate['metric']} = {_fmt_pair(value, value)[0]} {' and '.join(bounds) or '(no bound)'}"
+
+
+# ---------------------------------------------------------------------------------------------- steps
+def _sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _parse_kv(items: list[str], what: str) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"{what} needs key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def do_submit(client: Client, args) -> dict:
+    # dataset: reuse an identical upload (same sha256) unless told not to
+    if args.dataset_id:
+        dataset_id = args.dataset_id
+    else:
+        if not args.dataset:
+            raise SystemExit("give --dataset FILE or --dataset-id ID")
+        found = None if args.no_reuse_dataset else client.find_dataset(_sha256_of(args.dataset))
+        if found:
+            log(f"dataset {found['id']} ({found['row_count']} rows) already uploaded; reusing it")
+            dataset_id = found["id"]
+        else:
+            ds = client.upload_dataset(args.dataset, name=args.dataset_name, accept_partial=args.accept_partial)
+            log(f"uploaded dataset {ds['id']}: {ds['row_count']} rows"
+                + (f", {ds['bad_line_count']} bad line(s) skipped" if ds.get("bad_line_count") else ""))
+            dataset_id = ds["id"]
+    # endpoint
+    if args.endpoint:
+        endpoint_id = args.endpoint
+    elif args.endpoint_url and args.model:
+        api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
+        ep, created = client.find_or_create_endpoint(base_url=args.endpoint_url, model=args.model,
+                                                     api_flavor=args.api_flavor, api_key=api_key)
+        log(f"{'created' if created else 'using'} endpoint {ep['id']} ({ep['model_name']} @ {ep['base_url']})")
+        endpoint_id = ep["id"]
+    else:
+        raise SystemExit("give --endpoint ID, or --endpoint-url URL and --model NAME")
+
+    rcp = _parse_kv(args.param, "--param")
+    for key in ("temperature", "top_p", "max_output_tokens"):
+        if getattr(args, key) is not None:
+            rcp[key] = getattr(args, key)
+    body = {"dataset": dataset_id, "endpoint": endpoint_id, "responses_create_params": rcp,
+            "num_repeats": args.num_repeats, "num_samples_in_parallel": args.num_samples_in_parallel,
+            "parallelism_auto": args.parallelism_auto, "verifier": args.verifier,
+            "verifier_options": _parse_kv(args.verifier_option, "--verifier-option"), "verify_mode": args.verify_mode,
+            "profiling_enabled": args.profiling}
+    if args.name:
+        body["name"] = args.name
+    if args.limit is not None:
+        body["limit"] = args.limit
+    if args.chunk_size is not None:
+        body["chunk_size"] = args.chunk_size
+    job, created = client.create_job(body, idempotency_key=args.idempotency_key)
+    log(f"{'submitted' if created else 'already submitted (same Idempotency-Key)'}: job {job['id']}, "
+        f"{job['progress']['total']} rollouts")
+    return job
+
+
+def do_wait(client: Client, job_id: int, *, timeout_s: float | None, poll_s: float, progress: bool = True) -> tuple[dict, int]:
+    """Poll the job until it ends; a tqdm bar on stderr. Returns (job, exit code)."""
+    from tqdm import tqdm
+
+    deadline = None if not timeout_s else time.monotonic() + timeout_s
+    job = client.job(job_id)
+    bar = tqdm(total=job["progress"]["total"] or None, unit="rollout", desc=f"job {job_id}", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 5.0)
+    shown = 0
+    try:
+        while True:
+            p = job["progress"]
+            if bar.total != p["total"] and p["total"]:
+                bar.total = p["total"]
+            if p["done"] > shown:
+                bar.update(p["done"] - shown)
+                shown = p["done"]
+            bar.set_postfix(state=job["state"], failed=p["failed"], refresh=False)
+            if job["state"] in TERMINAL_STATES:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                bar.close()
+                log(f"timed out after {timeout_s:g} s waiting for job {job_id} (state {job['state']}, "
+                    f"{p['done']}/{p['total']} done)")
+                return job, EXIT_TIMEOUT
+            time.sleep(poll_s if deadline is None else max(0.05, min(poll_s, deadline - time.monotonic())))
+            job = client.job(job_id)
+    finally:
+        bar.close()
+    p = job["progress"]
+    if job["state"] == "completed":
+        log(f"job {job_id} completed: {p['completed']} ok, {p['failed']} failed")
+        return job, EXIT_OK
+    log(f"job {job_id} {job['state']}: {p['completed']} ok, {p['failed']} failed"
+        + (f" — {job['error_message']}" if job.get("error_message") else ""))
+    return job, EXIT_JOB
+
+
+def do_export(client: Client, job_id: int, path: str, which: str = "ok") -> int:
+    """Stream the export into `path` (through a temporary file renamed into place). Returns the row count."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rolloutctl-", suffix=".jsonl", dir=directory)
+    lines = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in client.iter_export(job_id, which):
+                out.write(chunk)
+                lines += chunk.count(b"\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    log(f"wrote {lines} {which} rollout(s) of job {job_id} to {path}")
+    return lines
+
+
+def _sidecar(path: str, suffix: str, ext: str) -> str:
+    stem = path[:-6] if path.endswith(".jsonl") else path
+    return f"{stem}{suffix}{ext}"
+
+
+def do_run_exports(client: Client, job: dict, path: str) -> None:
+    """NeMo Gym's trio: <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json."""
+    do_export(client, job["id"], path, "ok")
+    if job["progress"]["failed"]:
+        do_export(client, job["id"], _sidecar(path, "_failures", ".jsonl"), "failed")
+    with open(_sidecar(path, "_aggregate_metrics", ".json"), "w") as fh:
+        json.dump(job.get("aggregate_metrics") or {}, fh, indent=2, sort_keys=True)
+
+
+def do_gate(job: dict, gates: list[dict]) -> int:
+    if job["state"] != "completed":
+        log(f"gate failed: job {job['id']} is {job['state']}, not completed")
+        return EXIT_GATE
+    failures = evaluate_gates(job, gates)
+    for gate in gates:
+        if not any(f" {gate['metric']} " in msg for msg in failures):
+            log(_gate_ok_line(job, gate))
+    for msg in failures:
+        log(msg)
+    return EXIT_GATE if failures else EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _add_connection(p):
+    p.add_argument("--url", default=os.environ.get("ROLLOUTCTL_URL"), help="API base URL (env ROLLOUTCTL_URL)")
+    p.add_argument("--token", default=os.environ.get("ROLLOUTCTL_TOKEN"), help="API token (env ROLLOUTCTL_TOKEN)")
+    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per HTTP request (default 60)")
+    p.add_argument("--retries", type=int, default=4, help="retries on connection errors, 429 and 5xx (default 4)")
+
+
+def _add_submit(p):
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", help="NeMo Gym JSONL file to upload (reused if already uploaded)")
+    g.add_argument("--dataset-id", type=int, help="an uploaded dataset's id instead of a file")
+    g.add_argument("--dataset-name", help="name for the upload (default: the file name)")
+    g.add_argument("--accept-partial", action="store_true", help="keep the good lines of a file with bad lines")
+    g.add_argument("--no-reuse-dataset", action="store_true", help="upload even if the same file is already there")
+    g = p.add_argument_group("endpoint")
+    g.add_argument("--endpoint", type=int, help="endpoint id")
+    g.add_argument("--endpoint-url", help="model server base URL (finds or creates an endpoint)")
+    g.add_argument("--model", help="model name served at --endpoint-url")
+    g.add_argument("--api-flavor", choices=["chat_completions", "completions", "responses"])
+    g.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the endpoint's API key")
+    g = p.add_argument_group("job (ng_collect_rollouts parameters)")
+    g.add_argument("--name", default="")
+    g.add_argument("--limit", type=int)
+    g.add_argument("--num-repeats", type=int, default=1)
+    g.add_argument("--num-samples-in-parallel", "--parallelism", type=int, default=16)
+    g.add_argument("--parallelism-auto", action="store_true")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--max-output-tokens", type=int)
+    g.add_argument("--param", action="append", metavar="KEY=JSON",
+                   help="responses_create_params override (repeatable), e.g. --param service_tier=\"flex\"")
+    g.add_argument("--verifier", default="math")
+    g.add_argument("--verifier-option", action="append", metavar="KEY=JSON")
+    g.add_argument("--verify-mode", default="inline", choices=["inline", "fast", "deferred"])
+    g.add_argument("--chunk-size", type=int)
+    g.add_argument("--profiling", action="store_true")
+    g.add_argument("--idempotency-key", default=os.environ.get("ROLLOUTCTL_IDEMPOTENCY_KEY"),
+                   help="retrying with the same key returns the same job (env ROLLOUTCTL_IDEMPOTENCY_KEY; "
+                        "default: a fresh key per invocation)")
+
+
+def _add_wait(p):
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 4)")
+    p.add_argument("--poll-interval", type=float, default=2.0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_gates(p, required=False):
+    p.add_argument("--metric", "--gate", action=GateAction, dest="gates", metavar="NAME", required=required,
+                   help="metric to gate on, e.g. mean/reward (repeatable; each followed by --min and/or --max)")
+    p.add_argument("--min", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is below")
+    p.add_argument("--max", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is above")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import rolloutctl
+
+    parser = argparse.ArgumentParser(prog="rolloutctl", description=rolloutctl.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"rolloutctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="upload a dataset (if needed) and start a job; prints the job id")
+    _add_connection(p)
+    _add_submit(p)
+
+    p = sub.add_parser("wait", help="wait for a job with a progress bar; non-zero if it fails or times out")
+    _add_connection(p)
+    p.add_argument("job", type=int)
+    _add_wait(p)
+
+    p = sub.add_parser("gate", help="exit non-zero when a job's metric is outside its bounds")
+    _add_connection(p)
+    p.add_argument("job", type=int)
+    _add_gates(p, required=True)
+
+    p = sub.add_parser("export", help="write a job's rollouts (NeMo Gym JSONL) to a file, streamed")
+    _add_connection(p)
+    p.add_argument("job", type=int)
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--which", choices=["ok", "failed", "all"], default="ok")
+
+    p = sub.add_parser("run", help="submit, wait, export and gate in one command")
+    _add_connection(p)
+    _add_submit(p)
+    _add_wait(p)
+    _add_gates(p)
+    p.add_argument("-o", "--output", help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json")
+    return parser
+
+
+def _check_gates(parser, args):
+    for gate in getattr(args, "gates", None) or []:
+        if gate["min"] is None and gate["max"] is None:
+            parser.error(f"--metric {gate['metric']} needs --min and/or --max")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_gates(parser, args)
+    try:
+        client = Client(args.url, args.token, timeout_s=args.request_timeout, retries=args.retries)
+    except ValueError as exc:
+        log(f"rolloutctl: {exc}")
+        return EXIT_USAGE
+    if not args.token:
+        log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
+    try:
+        if args.command == "submit":
+            job = do_submit(client, args)
+            print(job["id"], flush=True)
+            return EXIT_OK
+        if args.command == "wait":
+            _, code = do_wait(client, args.job, timeout_s=args.timeout, poll_s=args.poll_interval,
+                              progress=not args.no_progress)
+            return code
+        if args.command == "gate":
+            return do_gate(client.job(args.job), args.gates)
+        if args.command == "export":
+            do_export(client, args.job, args.output, args.which)
+            return EXIT_OK
+        if args.command == "run":
+            job = do_submit(client, args)
+            print(job["id"], flush=True)
+            job, code = do_wait(client, job["id"], timeout_s=args.timeout, poll_s=args.poll_interval,
+                                progress=not args.no_progress)
+            if args.output and code != EXIT_TIMEOUT:
+                do_run_exports(client, job, args.output)  # what was collected, even when the job failed
+            if code != EXIT_OK:
+                return code
+            return do_gate(job, args.gates) if args.gates else EXIT_OK
+    except ApiError as exc:
+        log(f"rolloutctl: API error: {exc}")
+        return EXIT_API
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            log(f"rolloutctl: {exc.code}")
+            return EXIT_USAGE
+        raise
+    except KeyboardInterrupt:
+        log("rolloutctl: interrupted")
+        return 130
+    except OSError as exc:
+        log(f"rolloutctl: {exc}")
+        return EXIT_USAGE
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
