@@ -141,7 +141,7 @@ class AdaptiveConcurrency:
         After a change the level first settles: the engine must report the new parallelism, the in-flight
         count must have come down to it, `settle_ticks` ticks and one request latency must have passed (so
         the window holds requests started at the new level). A window then lasts at least `measure_ticks`
-        ticks, two latencies and `min_window_rollouts` completions (or `max_window_s`)."""
+        ticks, two latencies (one in slow start) and `min_window_rollouts` completions (or `max_window_s`)."""
         dt = tick.elapsed_s - self._last_elapsed if self._last_elapsed is not None else tick.elapsed_s
         d_ok = tick.completed - self._last_completed if self._last_completed is not None else tick.completed
         self._last_elapsed, self._last_completed = tick.elapsed_s, tick.completed
@@ -162,7 +162,8 @@ class AdaptiveConcurrency:
         # react to 429s / overload errors without waiting for the full window
         urgent = self._error_fraction(w) is not None
         if not urgent and w.dt < self.max_window_s and (
-                w.ticks < self.measure_ticks or w.dt < min(self.max_settle_s, 2 * self._latency_s())
+                w.ticks < self.measure_ticks
+                or w.dt < min(self.max_settle_s, (1 if self.phase == "slow_start" else 2) * self._latency_s())
                 or w.ok < self.min_window_rollouts):
             return []
         before = len(self.decisions)
@@ -370,6 +371,21 @@ class AdaptiveConcurrency:
                                    "phase": self.phase})
             self._unreported += 1
 
+    def operator_set(self, n: int) -> None:
+        """Someone set parallelism by hand while the controller runs: take it as the new starting point."""
+        n = int(min(self.max, max(self.min, int(n))))
+        with self._lock:
+            if n == self.limit:
+                return
+            self.decisions.append({"t": round(self._elapsed, 2), "from": self.limit, "to": n, "phase": "steady",
+                                   "reason": f"parallelism set to {n} by an operator; adapting from there"})
+            self._unreported += 1
+            self.limit = n
+            self.phase = "steady"
+            self._probe, self._base, self._ceiling = "", None, None
+            self._settle = self.settle_ticks
+            self._changed_at = self._elapsed
+
     # ------------------------------------------------------------------ reporting
     def take_new_decisions(self) -> list[dict]:
         with self._lock:
@@ -394,6 +410,8 @@ class AdaptiveControl:
             st = self.inner.poll()
             if st is not None and st.action != "run":
                 return st
+            if st is not None and st.parallelism:  # an operator set parallelism: start from there
+                self.ctl.operator_set(st.parallelism)
         return ControlState(action="run", parallelism=self.ctl.limit)
 
 

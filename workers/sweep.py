@@ -2,8 +2,8 @@
 
 The same sample of tasks is run at parallelism 1, 2, 4 ... up to `max_parallelism` with the engine's
 `run_collection`; each level gets `max(min_tasks, waves * parallelism)` rollouts cycled from the sample, so
-every level runs several full waves. Throughput is measured over the middle of each level (completions
-between the 10th and the 90th percentile of finish times), which leaves out the ramp-up and the tail.
+every level runs several full waves. Throughput is the level's successful rollouts over its time (start to
+last completion): with whole waves, a closed loop's synchronized waves are counted exactly.
 The sweep stops early when throughput stops rising (less than `min_gain` over the best for `patience`
 levels in a row) or when errors appear (error rate above `error_threshold`).
 
@@ -119,7 +119,9 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def middle_rate(finish: list[float], t_start: float, lo: float = 0.1, hi: float = 0.9) -> float:
-    """Completions per second between the lo- and hi-quantile finish times (ramp-up and tail left out)."""
+    """Completions per second between the lo- and hi-quantile finish times (ramp-up and tail left out).
+    Right for open-loop / desynchronized completions; over-counts a closed loop's synchronized waves, so the
+    sweep itself uses whole waves over the whole level instead."""
     n = len(finish)
     if n == 0:
         return 0.0
@@ -225,11 +227,10 @@ async def run_level(spec: CollectionSpec, sample: list[dict], parallelism: int, 
     elapsed = time.monotonic() - t0
     if summary.fatal_error and rec.ok == 0:
         raise RuntimeError(f"parallelism {parallelism}: {summary.fatal_error}")
-    rate = middle_rate(rec.finish, t0) if rec.ok else 0.0
-    # goodput: scale by the share of rows that succeeded
-    done = rec.ok + rec.failed
-    if done:
-        rate *= rec.ok / done
+    # Successful rollouts over the level's time (start -> last completion). Each level runs whole waves
+    # (n = waves x parallelism), so a closed loop's synchronized waves are counted exactly; a middle window
+    # (middle_rate) would over-count them.
+    rate = (rec.ok / max(1e-9, max(rec.finish) - t0)) if rec.ok else 0.0
     request_errors = sum(rec.errors.get(k, 0) for k in REQUEST_ERRORS)
     attempts = rec.ok + request_errors
     err_rate = request_errors / attempts if attempts else 0.0

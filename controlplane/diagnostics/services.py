@@ -26,7 +26,7 @@ from .models import ParallelismSweep
 logger = logging.getLogger(__name__)
 
 TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
-MAX_SAMPLES = 5000  # newest metric samples considered
+MAX_SAMPLES = 1200  # newest metric samples considered (about 20 minutes of one worker at 1 tick/s)
 
 
 # ------------------------------------------------------------------------------------------ evidence
@@ -76,9 +76,9 @@ def latest_sweep(job) -> ParallelismSweep | None:
             .order_by("-finished_at").first())
 
 
-def diagnose_job(job) -> Diagnosis:
+def diagnose_job(job, ticks: list[dict] | None = None, samples: int = MAX_SAMPLES) -> Diagnosis:
     """Evidence from stored data -> the classifier (pure)."""
-    ticks = job_ticks(job)
+    ticks = job_ticks(job, samples) if ticks is None else ticks
     stats = rollout_stats(job)
     sweep = latest_sweep(job)
     ev = build_evidence(ticks, config=job_config(job), rollout_stats=stats,
@@ -86,19 +86,20 @@ def diagnose_job(job) -> Diagnosis:
     return diagnose(ev)
 
 
-def adaptive_decisions(job, limit: int = 200) -> list[dict]:
+def adaptive_decisions(job, ticks: list[dict] | None = None, limit: int = 200) -> list[dict]:
     """The adaptive controller's decisions for a job, oldest first, from the metric samples."""
     out: list[dict] = []
-    for row in job_ticks(job):
+    for row in (job_ticks(job) if ticks is None else ticks):
         ad = (row.get("extra") or {}).get("adaptive") or {}
         for d in ad.get("new_decisions") or []:
             out.append(dict(d, worker=row.get("worker") or ""))
     return out[-limit:]
 
 
-def diagnosis_payload(job) -> dict:
+def diagnosis_payload(job, samples: int = MAX_SAMPLES) -> dict:
     """What the API and the panel show: the diagnosis, adaptive decisions and the latest sweep."""
-    d = diagnose_job(job)
+    ticks = job_ticks(job, samples)
+    d = diagnose_job(job, ticks)
     sweep = latest_sweep(job)
     return {
         "job": job.pk,
@@ -106,7 +107,7 @@ def diagnosis_payload(job) -> dict:
         "computed_at": timezone.now().isoformat(),
         "diagnosis": d.to_dict(),
         "parallelism_auto": bool(getattr(job, "parallelism_auto", False)),
-        "adaptive_decisions": adaptive_decisions(job),
+        "adaptive_decisions": adaptive_decisions(job, ticks),
         "sweep": sweep_payload(sweep) if sweep else None,
     }
 

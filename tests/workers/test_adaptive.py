@@ -127,3 +127,21 @@ async def test_adaptive_run_on_simulator_climbs_and_records_decisions(simulator_
     assert len(new) == len(ctl.decisions) and new[0]["from"] == 4
     assert all({"t", "from", "to", "reason"} <= set(d) for d in new)
     assert keep.ticks[-1].extra["adaptive"]["limit"] == ctl.limit
+
+
+def test_operator_change_through_inner_control_is_adopted():
+    class Inner:
+        def __init__(self):
+            self.state = ControlState()
+
+        def poll(self):
+            return self.state
+
+    ctl = AdaptiveConcurrency(initial=8)
+    inner = Inner()
+    control = ctl.control(inner)
+    inner.state = ControlState(action="run", parallelism=40)
+    assert control.poll().parallelism == 40
+    assert ctl.limit == 40 and "operator" in ctl.decisions[-1]["reason"]
+    inner.state = ControlState(action="run")  # no further change: the controller keeps steering
+    assert control.poll().parallelism == 40

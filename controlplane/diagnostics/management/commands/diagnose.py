@@ -12,6 +12,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("job_id", type=int)
         parser.add_argument("--json", action="store_true", help="print the full diagnosis as JSON")
+        parser.add_argument("--samples", type=int, default=5000, help="newest metric samples to use (default 5000)")
 
     def handle(self, job_id, **opts):
         from controlplane.jobs.models import CollectionJob
@@ -19,7 +20,7 @@ class Command(BaseCommand):
         job = CollectionJob.objects.select_related("endpoint").filter(pk=job_id).first()
         if job is None:
             raise CommandError(f"no job {job_id}")
-        payload = services.diagnosis_payload(job)
+        payload = services.diagnosis_payload(job, samples=opts["samples"])
         if opts["json"]:
             self.stdout.write(json.dumps(payload, indent=1, default=str))
             return
