@@ -9,7 +9,7 @@ from datetime import timedelta
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpResponse, HttpResponseBadRequest, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -214,7 +214,8 @@ def rollout_detail(request, rollout_id):
         "other_params": json.dumps(other_params, indent=2, ensure_ascii=False),
         "output_text": "\n\n".join(output_texts),
         "reasoning_text": "\n\n".join(t for t in reasoning if t),
-        "usage": response.get("usage") or {},
+        "usage": {k: (json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v)
+                  for k, v in (response.get("usage") or {}).items()},
         "verifier_fields": [(k, v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, ensure_ascii=False))
                             for k, v in sorted(verifier_fields.items())],
         "response_status": response.get("status"),
@@ -408,7 +409,3 @@ def history(request):
         "labels": [f"job {r['job'].pk}" for r in rows],
     }
     return render(request, "dashboard/history.html", {"rows": list(reversed(rows)), "chart": chart, "days": days})
-
-
-def bad_request(message):
-    return HttpResponseBadRequest(message)
