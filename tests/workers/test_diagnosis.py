@@ -168,3 +168,10 @@ def test_thresholds_are_named_constants():
     for name in ("VERIFY_SHARE_BOUND", "MODEL_SHARE_BOUND", "RATE_429", "LOOP_LAG_P99_MS", "KV_HIGH", "GPU_BUSY_PCT",
                  "SERVER_WAITING_FRAC", "THROUGHPUT_CV"):
         assert isinstance(getattr(C, name), (int, float))
+
+
+def test_slow_verifier_on_the_event_loop_is_verification_not_control_plane():
+    ev = shares(base(loop_lag_p99_ms=600.0, loop_lag_mean_ms=200.0, cpu_main_pct=99.0), 20, 80, 600, 720)
+    d = diagnose(ev)
+    assert d.verdict == VERIFICATION
+    assert "process pool" in d.recommendations[0].action

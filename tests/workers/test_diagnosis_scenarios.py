@@ -26,6 +26,7 @@ async def run_and_diagnose(sim, spec, n, config=None, wrap=None):
     cfg = {"parallelism": spec.parallelism, "verifier": spec.verifier}
     cfg.update(config or {})
     d = diagnose_ticks(list(sink.history), config=cfg)
+    print(explain(d))
     return summary, d
 
 
@@ -88,3 +89,12 @@ async def test_control_plane_bound_sink_blocks_the_loop(simulator_factory):
     assert d.verdict == CONTROL_PLANE, explain(d)
     assert "loop_lag_p99_ms" in {i.name for i in d.held()}
     assert "event loop" in d.recommendations[0].action
+
+
+async def test_verification_bound_verifier_blocking_the_loop(simulator_factory):
+    sim = simulator_factory(seed=6, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=8, output_len_max=8)
+    spec = spec_for(sim, parallelism=16, verifier="burn_inline", verifier_options={"burn_ms": 25})
+    summary, d = await run_and_diagnose(sim, spec, 100)
+    assert summary.completed == 100
+    assert d.verdict == VERIFICATION, explain(d)
+    assert "process pool" in d.recommendations[0].action

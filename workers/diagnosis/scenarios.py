@@ -2,6 +2,7 @@
 
 - `BurnVerifier` ("burn"): a CPU-bound verifier that burns `burn_ms` of CPU per row (busy loop), then
   scores exact match on the last number; it runs in the engine's verification process pool.
+- `InlineBurnVerifier` ("burn_inline"): the same, not marked cpu_bound, so it runs on the event loop.
 - `SleepVerifier` ("sleep_verify"): a pool verifier that waits `sleep_ms` (a slow external call).
 - `use_scenario_verify_pool(processes)`: the engine's pool imports `workers.verifiers` in its processes,
   not this module; this replaces the engine's module-level pool with one whose processes import this
@@ -40,6 +41,14 @@ class BurnVerifier(Verifier):
 
     def fast_verify(self, row, response_text, options):
         return VerifyResult(reward=0.0, fields={})
+
+
+@register
+class InlineBurnVerifier(BurnVerifier):
+    """The same CPU burn, but not marked cpu_bound: the engine runs it on the event loop (a common mistake)."""
+
+    name = "burn_inline"
+    cpu_bound = False
 
 
 @register
