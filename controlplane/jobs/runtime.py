@@ -105,7 +105,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
     "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
     """
     from . import services
-    from .sink import ChunkTasks, DbControl, DbSink, DbThread
+    from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
 
     worker_name = worker_name or default_worker_name()
     chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job").first()
@@ -128,12 +128,13 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             tasks = ChunkTasks(job=job, chunk=chunk, db=db)
             sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
                           on_progress=on_progress)
-            control = DbControl(job=job, db=db, sink=sink)
+            spec = build_spec(job, worker_name)
+            spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
+            control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
             from workers.engine.runner import run_collection
 
             from controlplane.diagnostics.services import instrument_run  # telemetry + adaptive concurrency
 
-            spec = build_spec(job, worker_name)
             summary = asyncio.run(run_collection(spec, tasks, *instrument_run(job, spec, sink, control)))
         finally:
             db.close()

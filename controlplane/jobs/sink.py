@@ -359,19 +359,37 @@ class DbSink:
 
 
 # --- control -------------------------------------------------------------------------------------
+def chunk_parallelism_share(job_id, chunk_id, total) -> int:
+    """The job's parallelism is its TOTAL in-flight budget, whatever the number of chunks running
+    at once (on one worker or many): each running chunk gets an even share, the remainder going to
+    the lowest chunk indexes, at least 1 each. Recomputed on every control poll, so shares grow
+    back as chunks finish."""
+    running = list(JobChunk.objects.filter(job_id=job_id, state=JobChunk.State.RUNNING)
+                   .order_by("index").values_list("pk", flat=True))
+    if chunk_id not in running:
+        running.append(chunk_id)
+    n, pos = len(running), running.index(chunk_id)
+    return max(1, total // n + (1 if pos < total % n else 0))
+
+
 class DbControl:
     """Polled by the engine (in its control thread): reads the job row on the DB thread."""
 
-    def __init__(self, *, job, db: DbThread, sink: DbSink | None = None):
+    def __init__(self, *, job, db: DbThread, sink: DbSink | None = None, chunk=None, initial_parallelism=None):
         self.job_id = job.pk
+        self.chunk_id = getattr(chunk, "pk", None)
         self.db = db
         self.sink = sink
-        self.parallelism = job.effective_parallelism
+        self.parallelism = initial_parallelism or job.effective_parallelism
         self.last = ControlState()
 
     def _read(self):
-        return CollectionJob.objects.filter(pk=self.job_id).values_list(
+        row = CollectionJob.objects.filter(pk=self.job_id).values_list(
             "state", "parallelism_override", "num_samples_in_parallel").first()
+        if row is None or self.chunk_id is None:
+            return row
+        state, override, requested = row
+        return state, chunk_parallelism_share(self.job_id, self.chunk_id, override or requested), None
 
     def poll(self) -> ControlState:
         if self.sink is not None and self.sink.lease_lost:

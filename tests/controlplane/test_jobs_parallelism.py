@@ -1,0 +1,67 @@
+"""num_samples_in_parallel is the job's total in-flight budget, however many chunks run at once."""
+import threading
+
+import pytest
+
+from controlplane.jobs import services
+from controlplane.jobs.models import JobChunk
+from controlplane.jobs.runtime import run_chunk
+from controlplane.jobs.sink import chunk_parallelism_share
+
+
+@pytest.mark.django_db
+def test_running_chunks_share_the_job_budget(user, math_dataset, sim_endpoint):
+    job = services.create_job(owner=user, dataset=math_dataset(40), endpoint=sim_endpoint("http://127.0.0.1:9"),
+                              num_samples_in_parallel=10, chunk_size=10, launch=False)
+    chunks = list(job.chunks.order_by("index"))
+    assert len(chunks) == 4
+    # Alone, a chunk gets the whole budget.
+    assert chunk_parallelism_share(job.pk, chunks[0].pk, 10) == 10
+    # Three running: 4 + 3 + 3, never more than the budget in total.
+    JobChunk.objects.filter(pk__in=[c.pk for c in chunks[:3]]).update(state=JobChunk.State.RUNNING)
+    shares = [chunk_parallelism_share(job.pk, c.pk, 10) for c in chunks[:3]]
+    assert shares == [4, 3, 3] and sum(shares) == 10
+    # A budget smaller than the number of chunks still lets each make progress.
+    assert [chunk_parallelism_share(job.pk, c.pk, 2) for c in chunks[:3]] == [1, 1, 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_chunks_never_exceed_the_job_parallelism(user, math_dataset, sim_endpoint, simulator_factory):
+    sim = simulator_factory(ttft_ms=30, itl_ms=2, max_num_seqs=256)
+    job = services.create_job(owner=user, dataset=math_dataset(120), endpoint=sim_endpoint(sim.url, model=sim.model),
+                              num_samples_in_parallel=8, chunk_size=40, verifier="exact", launch=False,
+                              responses_create_params={"max_output_tokens": 24})
+    peaks = []
+    stop = threading.Event()
+
+    def watch():  # the server's own count of requests it is generating
+        import re
+        while not stop.is_set():
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", sim.metrics_text(), re.M)
+            peaks.append(float(m.group(1)) if m else 0.0)
+            stop.wait(0.05)
+
+    from django.db import connection
+
+    def run(chunk_id):
+        try:
+            run_chunk(chunk_id, worker_name=f"t{chunk_id}", redispatch=False)
+        finally:
+            connection.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=run, args=(c.pk,)) for c in job.chunks.all()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    watcher.join()
+    job.refresh_from_db()
+    assert job.state == "completed", job.error_message
+    assert job.completed_count == 120
+    # Three chunks ran at once; together they stayed within the job's budget of 8. A chunk may
+    # overshoot by its in-flight requests for one control poll after a neighbour starts.
+    assert max(peaks) > 3, "the chunks did not overlap; the test proves nothing"
+    assert max(peaks) <= 8 + 3, peaks
