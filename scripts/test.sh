@@ -11,4 +11,5 @@ export DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/con
 # A Redis database and a Celery queue of their own, so tests never trade tasks with a running demo.
 export REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"
 export CELERY_TASK_DEFAULT_QUEUE="${CELERY_TASK_DEFAULT_QUEUE:-tests-$$}"
+export CHANNELS_PREFIX="${CHANNELS_PREFIX:-tests-$$}"
 exec "$PY" -m pytest "$@"

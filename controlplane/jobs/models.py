@@ -206,6 +206,8 @@ class Rollout(models.Model):
         indexes = [
             models.Index(fields=["job", "id"], name="rollout_job_id"),
             models.Index(fields=["job", "status", "id"], name="rollout_job_status_id"),
+            # failures-by-class counts read the index only (the job page at 1M rows)
+            models.Index(fields=["job", "status", "failure_class"], name="rollout_job_status_class"),
             models.Index(fields=["job", "reward", "id"], name="rollout_job_reward_id"),
             models.Index(fields=["job", "wall_ms", "id"], name="rollout_job_wall_id"),
         ]
