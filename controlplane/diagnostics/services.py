@@ -48,9 +48,19 @@ def job_config(job) -> dict:
 
 
 def rollout_stats(job) -> dict:
-    from controlplane.jobs.models import Rollout
+    """Timing means over the job's rollouts: from the stored timing summary of a finished job, else one
+    aggregate query over its rows."""
+    from controlplane.jobs.models import Rollout, TERMINAL_STATES
 
     qs = Rollout.objects.filter(job_id=job.pk)
+    summary = job.timing_summary or {}
+    if job.state in TERMINAL_STATES and summary.get("wall_ms", {}).get("mean") is not None:
+        out = {"n": job.completed_count + job.failed_count, "ok": job.completed_count, "failed": job.failed_count}
+        for f in TIMING_FIELDS:
+            out[f] = (summary.get(f) or {}).get("mean")
+        out["failure_classes"] = dict(qs.filter(status=Rollout.Status.FAILED).values_list("failure_class")
+                                      .annotate(c=Count("id")).order_by())
+        return out
     agg = qs.aggregate(n=Count("id"), ok=Count("id", filter=Q(status=Rollout.Status.OK)),
                        **{f: Avg(f, filter=Q(status=Rollout.Status.OK)) for f in TIMING_FIELDS})
     out = {"n": agg["n"], "ok": agg["ok"], "failed": agg["n"] - agg["ok"]}
@@ -96,8 +106,20 @@ def adaptive_decisions(job, ticks: list[dict] | None = None, limit: int = 200) -
     return out[-limit:]
 
 
-def diagnosis_payload(job, samples: int = MAX_SAMPLES) -> dict:
-    """What the API and the panel show: the diagnosis, adaptive decisions and the latest sweep."""
+def diagnosis_payload(job, samples: int = MAX_SAMPLES, cache_s: float = 0.0) -> dict:
+    """What the API and the panel show: the diagnosis, adaptive decisions and the latest sweep.
+    With cache_s, a payload computed in the last cache_s seconds for the same job state and counts is reused
+    (the job page re-fetches its panels every few seconds)."""
+    if cache_s > 0:
+        from django.core.cache import cache
+
+        key = f"diagnostics:payload:{job.pk}:{job.state}:{job.completed_count}:{job.failed_count}:{samples}"
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        payload = diagnosis_payload(job, samples)
+        cache.set(key, payload, cache_s)
+        return payload
     ticks = job_ticks(job, samples)
     d = diagnose_job(job, ticks)
     sweep = latest_sweep(job)

@@ -5,13 +5,15 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+PANEL_CACHE_S = 5.0
+
 
 def panel_context(request, job) -> dict:
     """{diag, decisions, sweep} for the panel; an error here never breaks the job page."""
     from . import services
 
     try:
-        payload = services.diagnosis_payload(job)
+        payload = services.diagnosis_payload(job, cache_s=PANEL_CACHE_S)
     except Exception as e:  # pragma: no cover - defensive
         logger.exception("diagnosis of job %s failed", job.pk)
         return {"error": f"{type(e).__name__}: {e}"}
