@@ -21,5 +21,7 @@ urlpatterns = [
     re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/rollouts/$", views.JobRolloutsView.as_view(), name="job-rollouts"),
     re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/metrics/$", views.JobMetricsView.as_view(), name="job-metrics"),
     path("", include(router.urls)),
+    # other apps' API routes mount here, before the catch-all
+    path("", include("controlplane.diagnostics.urls")),
     re_path(r"^.*/$", views.ApiNotFound.as_view(), name="not-found"),
 ]

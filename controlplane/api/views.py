@@ -371,13 +371,24 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         return response
 
 
-def _encode_lines(lines):
+EXPORT_CHUNK_BYTES = 64 * 1024
+
+
+def _encode_lines(lines, chunk_bytes=EXPORT_CHUNK_BYTES):
+    """Lines -> ~64 KiB byte chunks (one socket write each, not one per rollout); memory stays bounded."""
+    buf, size = [], 0
     for line in lines:
         if isinstance(line, str):
             line = line.encode("utf-8")
         if not line.endswith(b"\n"):
             line += b"\n"
-        yield line
+        buf.append(line)
+        size += len(line)
+        if size >= chunk_bytes:
+            yield b"".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield b"".join(buf)
 
 
 class _JobChildList(ApiMixin, generics.ListAPIView):

@@ -73,13 +73,16 @@ def test_health_and_prewarm_against_simulator(api, alice, simulator):
     ep = make_endpoint(alice, base_url=simulator.url, model_name=simulator.model, api_key="")
     r = api.post(f"/api/endpoints/{ep.pk}/health/")
     assert r.status_code == 200, r.content
-    assert r.json()["endpoint"] == ep.pk and r.json()["health"]
+    assert r.json()["endpoint"] == ep.pk and r.json()["health"]["ok"] is True and r.json()["checked_at"]
+    ep.refresh_from_db()
+    assert ep.last_health["ok"] is True
     r = api.post(f"/api/endpoints/{ep.pk}/prewarm/")
     assert r.status_code == 200, r.content
+    assert r.json()["result"]["ok"] is True and r.json()["result"]["succeeded"] == r.json()["result"]["sent"] > 0
 
 
 def test_health_of_unreachable_endpoint_is_reported_not_500(api, alice):
     ep = make_endpoint(alice, base_url="http://127.0.0.1:9", connect_timeout_s=0.5, request_timeout_s=1)
     r = api.post(f"/api/endpoints/{ep.pk}/health/")
     assert r.status_code == 200, r.content
-    assert r.json()["health"]
+    assert r.json()["health"]["ok"] is False and r.json()["health"]["replicas"][0]["error"]
