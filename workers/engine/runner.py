@@ -12,6 +12,10 @@ Shape of a run
   from request to emitted result, so at most `parallelism` tasks are in flight and at most
   `max_resident` tasks are in memory whatever the dataset size. The pool grows or shrinks when the
   control asks for another parallelism (idle workers retire at once, busy ones after their task).
+* CPU-bound verifiers run in a module-level process pool (`get_verify_pool`), warmed (each process has
+  run the verifier once) before the first task is read, so no timing includes the pool's cold start;
+  verifications go to the pool in batches (`_VerifyBatcher`: a batch of one when the pool is idle,
+  everything that waited when it is busy), one IPC round trip per batch rather than per rollout.
 * The control (if any) is polled in a thread every CONTROL_POLL_S. "pause" stops taking tasks, lets
   in-flight requests finish for up to `spec.pause_grace_s` and returns RunSummary(paused=True);
   "cancel" cancels in-flight requests at once and returns RunSummary(cancelled=True). Tasks not
@@ -24,7 +28,8 @@ Timings recorded on each RolloutResult (milliseconds, monotonic clock):
 * ttft_ms: request sent -> first generated token (streaming), or the whole request (not streaming),
   of the last (successful) attempt.
 * generation_ms: first -> last generated token (streaming only; None otherwise).
-* verify_ms: time spent in the verifier (including the process-pool hop).
+* verify_ms: time spent in the verifier (including the process-pool hop and, for a pooled verifier, the
+  wait for the pool while it verifies earlier rollouts).
 * wall_ms: slot acquired -> verified, including retries and backoff (excludes queue_ms).
 """
 from __future__ import annotations
@@ -37,7 +42,7 @@ import os
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from email.utils import parsedate_to_datetime
@@ -109,6 +114,105 @@ def _discard_broken_pool(pool) -> None:
         if _pool is pool:
             _pool = None
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_verifier(name: str) -> int:
+    """In a pool process: run the verifier once (sympy / math-verify's lazy set-up), then hold the process a
+    moment so that the next warm-up call lands on another process of the pool."""
+    try:
+        verify_row(name, {"expected_answer": "2"}, "The answer is \\boxed{2}")
+    except Exception:  # noqa: BLE001  (a verifier that needs other fields is still imported and set up)
+        pass
+    time.sleep(0.2)
+    return os.getpid()
+
+
+def _verify_batch(items: list[tuple]) -> list[tuple]:
+    """In a pool process: verify several rollouts. One entry per item, in order:
+    (True, VerifyResult) or (False, exception type name, message)."""
+    out: list[tuple] = []
+    for name, row, text, options, fast in items:
+        try:
+            out.append((True, verify_row(name, row, text, options, fast)))
+        except Exception as exc:  # noqa: BLE001  (reported per rollout as a verifier error)
+            out.append((False, type(exc).__name__, str(exc)))
+    return out
+
+
+class RemoteVerifierError(Exception):
+    """A verifier raised in a pool process; `type_name` is the original exception's class name."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
+
+
+class _VerifyBatcher:
+    """Hands CPU-bound verifications to the process pool in batches.
+
+    At most `pool size + 1` submits are in flight (one per process, plus one queued so a process never
+    waits for the round trip); each carries everything that waited meanwhile, up to `max_batch`. When the
+    pool is idle a batch of one goes out at once (no added latency); when it is busy, one pickle, one
+    pipe round trip and one executor wake-up serve a whole batch instead of one rollout each, which
+    keeps the event loop's thread (and the GIL) free for HTTP and the sink."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, processes: int | None, max_batch: int = 32):
+        self.loop = loop
+        self.processes = processes
+        self.max_batch = max_batch
+        self.pending: deque = deque()
+        self.inflight = 0
+
+    def verify(self, name: str, row: dict, text: str, options: dict, fast: bool) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self.pending.append(((name, row, text, options, fast), fut))
+        self._dispatch()
+        return fut
+
+    def _dispatch(self) -> None:
+        pool = None
+        while self.pending:
+            if pool is None:
+                pool = get_verify_pool(self.processes)
+            if self.inflight >= pool._max_workers + 1:
+                return
+            batch = []
+            while self.pending and len(batch) < self.max_batch:
+                args, fut = self.pending.popleft()
+                if not fut.done():  # a cancelled waiter (the run is stopping) needs no verification
+                    batch.append((args, fut))
+            if not batch:
+                return
+            try:
+                cfut = pool.submit(_verify_batch, [args for args, _ in batch])
+            except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
+                if isinstance(exc, BrokenProcessPool):
+                    _discard_broken_pool(pool)
+                pool = None
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.inflight += 1
+            afut = asyncio.wrap_future(cfut, loop=self.loop)
+            afut.add_done_callback(lambda f, batch=batch, pool=pool: self._done(f, batch, pool))
+
+    def _done(self, afut: asyncio.Future, batch: list, pool) -> None:
+        self.inflight -= 1
+        exc = asyncio.CancelledError() if afut.cancelled() else afut.exception()
+        if isinstance(exc, BrokenProcessPool):
+            _discard_broken_pool(pool)
+        results = afut.result() if exc is None else None
+        for i, (_, fut) in enumerate(batch):
+            if fut.done():
+                continue
+            if exc is not None:
+                fut.set_exception(exc)
+            elif results[i][0]:
+                fut.set_result(results[i][1])
+            else:
+                fut.set_exception(RemoteVerifierError(results[i][1], results[i][2]))
+        self._dispatch()
 
 
 import atexit  # noqa: E402
@@ -232,6 +336,23 @@ def _error_reason(exc: BaseException) -> str:
     return text
 
 
+def _decode_events(datas: list[bytes]) -> list:
+    """The JSON payloads of several SSE `data:` lines, decoded with one json.loads (as one array) instead of
+    one call per event (a streamed answer has one event per token). Falls back to one call per line, which
+    raises the same error as before, when the joined text is not exactly one value per line."""
+    if len(datas) == 1:
+        return [json.loads(datas[0])]
+    if not datas:
+        return []
+    try:
+        events = json.loads(b"[" + b",".join(datas) + b"]")
+    except ValueError:
+        events = None
+    if isinstance(events, list) and len(events) == len(datas):
+        return events
+    return [json.loads(d) for d in datas]
+
+
 # -------------------------------------------------------------------------------------------- the run
 
 class _Run:
@@ -273,6 +394,7 @@ class _Run:
             self.verifier = get_verifier(spec.verifier)  # ValueError for an unknown name
             overrides_fast = type(self.verifier).fast_verify is not Verifier.fast_verify
             self.verify_in_pool = self.verifier.cpu_bound and not (self.fast and overrides_fast)
+        self.batcher = _VerifyBatcher(self.loop, spec.verify_processes) if self.verify_in_pool else None
 
         # workers and state
         self.workers: dict[asyncio.Task, str] = {}  # task -> "idle" | "busy" | "emit"
@@ -590,8 +712,10 @@ class _Run:
                         buf += chunk
                         if b"\n" not in chunk:
                             continue
+                        t_chunk = time.monotonic()  # the events of one read arrived together
                         lines = buf.split(b"\n")
                         buf = lines.pop()
+                        events = []
                         for line in lines:
                             if not line.startswith(b"data:"):
                                 continue
@@ -601,10 +725,12 @@ class _Run:
                             if data == b"[DONE]":
                                 done = True
                                 break
-                            if acc.feed(json.loads(data)):
-                                t_last = time.monotonic()
+                            events.append(data)
+                        for event in _decode_events(events):
+                            if acc.feed(event):
+                                t_last = t_chunk
                                 if t_first is None:
-                                    t_first = t_last
+                                    t_first = t_chunk
                         if done:
                             break
                     if not done and acc.id is None and acc.final is None:
@@ -641,13 +767,8 @@ class _Run:
         text = response_text(response)
         t0 = time.monotonic()
         try:
-            if self.verify_in_pool:
-                pool = get_verify_pool(spec.verify_processes)
-                try:
-                    vr = await self.loop.run_in_executor(pool, verify_row, spec.verifier, row, text, spec.verifier_options, self.fast)
-                except BrokenProcessPool:
-                    _discard_broken_pool(pool)
-                    raise
+            if self.batcher is not None:
+                vr = await self.batcher.verify(spec.verifier, row, text, spec.verifier_options, self.fast)
             else:
                 vr = verify_row(spec.verifier, row, text, spec.verifier_options, self.fast)
             reward = float(vr.reward)
@@ -659,7 +780,8 @@ class _Run:
         except Exception as exc:
             result.ok = False
             result.failure_class = FailureClass.VERIFIER_ERROR
-            result.error = f"verifier {spec.verifier!r} raised {type(exc).__name__}: {exc}"[:2000]
+            kind = exc.type_name if isinstance(exc, RemoteVerifierError) else type(exc).__name__
+            result.error = f"verifier {spec.verifier!r} raised {kind}: {exc}"[:2000]
             result.reward = 0.0
             result.output_row["reward"] = 0.0
             self.tick_errors[FailureClass.VERIFIER_ERROR] += 1
@@ -711,6 +833,35 @@ class _Run:
                     self._set_parallelism(state.parallelism)
             await asyncio.sleep(CONTROL_POLL_S)
 
+    async def _warm_verify_pool(self):
+        """Start the verifier processes and run the verifier once in each (sympy / math-verify set-up takes
+        seconds on a cold start) before any request is sent, so that no rollout's timings include it.
+        Once per pool: later runs in the same process find it warm. Returns early when the run stops."""
+        pool = get_verify_pool(self.spec.verify_processes)
+        if getattr(pool, "_engine_warm", False):
+            return
+        warm = asyncio.gather(*(self.loop.run_in_executor(pool, _warm_verifier, self.spec.verifier)
+                                for _ in range(pool._max_workers)))
+        stop = self.loop.create_task(self.stop_event.wait())
+        t = time.monotonic()
+        try:
+            done, _ = await asyncio.wait({warm, stop}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            if warm in done:
+                pids = warm.result()
+                pool._engine_warm = True
+                log.info("verifier pool warm (%d processes, %.1fs)", len(set(pids)), time.monotonic() - t)
+            elif stop not in done:
+                log.warning("verifier pool not warm after 120 s; starting anyway")
+        except Exception as exc:  # a broken pool: verification reports per-row errors, the run goes on
+            if isinstance(exc, BrokenProcessPool):
+                _discard_broken_pool(pool)
+            log.warning("warming the verifier pool failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            stop.cancel()
+            if not warm.done():
+                warm.cancel()
+                warm.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     # ---------------------------------------------------------------- main
     async def run(self, tasks) -> RunSummary:
         self.connector = aiohttp.TCPConnector(limit=self.target, limit_per_host=0, ttl_dns_cache=300)
@@ -719,21 +870,27 @@ class _Run:
             async with aiohttp.ClientSession(connector=self.connector, timeout=self.timeout,
                                              headers={"User-Agent": "rollout-engine"}) as session:
                 self.session = session
-                self.feeder = self.loop.create_task(self._feed(tasks))
-                self._spawn(self.target)
                 aux.append(self.loop.create_task(self._progress_loop()))
                 if self.control is not None:
                     aux.append(self.loop.create_task(self._control_loop()))
                 try:
+                    if self.verify_in_pool:  # before the first task is read: no timing includes the pool's start
+                        await self._warm_verify_pool()
+                    if self.stopping:  # cancelled or paused while the pool was starting
+                        self.done_event.set()
+                    else:
+                        self.feeder = self.loop.create_task(self._feed(tasks))
+                        self._spawn(self.target)
                     await self.done_event.wait()
                 except asyncio.CancelledError:  # the caller cancelled us: stop promptly, then re-raise
                     self.cancelled = True
                     self._stop(cancel=True)
                     await asyncio.gather(*self.workers, return_exceptions=True)
                     raise
-                if not self.feeder.done():
-                    self.feeder.cancel()
-                await asyncio.gather(self.feeder, return_exceptions=True)
+                if self.feeder is not None:
+                    if not self.feeder.done():
+                        self.feeder.cancel()
+                    await asyncio.gather(self.feeder, return_exceptions=True)
         finally:
             for task in aux:
                 task.cancel()

@@ -1,0 +1,69 @@
+"""The engine's verifier pool: warmed before the first request, fed in batches, errors per rollout."""
+from __future__ import annotations
+
+import asyncio
+
+from workers.engine import runner
+from workers.engine.materialize import materialize
+from workers.engine.runner import RemoteVerifierError, _verify_batch, _VerifyBatcher, get_verify_pool, run_collection
+
+from .test_engine import ListSink, math_rows, spec_for
+
+
+def test_verify_batch_reports_each_item_in_order():
+    out = _verify_batch([("math", {"expected_answer": "7"}, "so \\boxed{7}", {}, False),
+                         ("nope", {}, "x", {}, False),
+                         ("math", {"expected_answer": "7"}, "so \\boxed{8}", {}, False)])
+    assert [o[0] for o in out] == [True, False, True]
+    assert out[0][1].reward == 1.0 and out[2][1].reward == 0.0
+    assert out[1][1] == "ValueError" and "nope" in out[1][2]
+
+
+async def test_batcher_matches_results_to_rollouts_and_batches_under_load():
+    batcher = _VerifyBatcher(asyncio.get_running_loop(), 1, max_batch=16)
+    submits = []
+    real_submit = get_verify_pool(1).submit
+
+    def counting_submit(fn, items):
+        submits.append(len(items))
+        return real_submit(fn, items)
+
+    pool = get_verify_pool(1)
+    pool.submit = counting_submit
+    try:
+        futs = [batcher.verify("math", {"expected_answer": str(i)}, f"\\boxed{{{i if i % 3 else i + 1}}}", {}, False)
+                for i in range(60)]
+        futs.append(batcher.verify("nope", {}, "x", {}, False))
+        results = await asyncio.gather(*futs, return_exceptions=True)
+    finally:
+        del pool.submit
+    assert [r.reward for r in results[:60]] == [1.0 if i % 3 else 0.0 for i in range(60)]
+    assert isinstance(results[60], RemoteVerifierError) and results[60].type_name == "ValueError"
+    assert sum(submits) == 61 and len(submits) < 61 and max(submits) <= 16  # batched, never over max_batch
+    assert batcher.inflight == 0 and not batcher.pending
+
+
+async def test_pool_is_warm_before_the_first_request_and_verify_ms_is_clean(simulator):
+    runner.shutdown_verify_pool()  # a cold pool: processes start and import sympy / math-verify
+    sink = ListSink()
+    spec = spec_for(simulator, parallelism=8, verifier="math", verify_processes=2,
+                    responses_create_params={"max_output_tokens": 16})
+    summary = await run_collection(spec, materialize(math_rows(16), 1), sink)
+    assert summary.completed == 16 and not summary.fatal_error
+    assert getattr(get_verify_pool(2), "_engine_warm", False)
+    # the cold start (~3 s: forkserver imports sympy / math-verify) happened before any task was read:
+    # no rollout's queue, wall or verify time includes it
+    assert max(r.verify_ms for r in sink.results) < 1500, [round(r.verify_ms) for r in sink.results]
+    assert max(r.queue_ms + r.wall_ms for r in sink.results) < 1500, [round(r.queue_ms + r.wall_ms) for r in sink.results]
+    assert all(r.reward in (0.0, 1.0) for r in sink.results)
+
+
+async def test_cancel_while_the_pool_warms_stops_promptly(simulator):
+    from .test_engine import ScriptedControl
+
+    runner.shutdown_verify_pool()
+    sink = ListSink()
+    spec = spec_for(simulator, parallelism=4, verifier="math", verify_processes=1)
+    control = ScriptedControl().at(0.0, action="cancel")
+    summary = await asyncio.wait_for(run_collection(spec, materialize(math_rows(50), 1), sink, control), 30)
+    assert summary.cancelled and not sink.results and sink.closed
