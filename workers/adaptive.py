@@ -18,7 +18,8 @@ The algorithm works for any endpoint (hosted APIs have no /metrics) and says why
    queues is given back.
 3. Back off at once on:
    - 429s (>= 1% of attempts): to the concurrency that sustains the accepted rate, Little's law:
-     accepted rollouts/s x request latency (the seed's "RPM/60 x latency"), at most x0.7;
+     accepted rollouts/s x mean slot time (the seed's "RPM/60 x latency"; the slot time includes the
+     retries' backoff) x 1.1, plus one; x0.7 when that would not lower it;
    - timeouts / 5xx / connection errors (>= 2%): x0.7;
    - vLLM preemptions (server out of KV cache): x0.85; a waiting queue at the server with a full KV cache:
      trim by the queue length;
@@ -59,6 +60,9 @@ class _Window:
     def latency_ms(self) -> float | None:
         return statistics.median(self.latencies) if self.latencies else None
 
+    def mean_latency_ms(self) -> float | None:
+        return sum(self.latencies) / len(self.latencies) if self.latencies else None
+
     def model_latency_ms(self) -> float | None:
         return statistics.median(self.model_lat) if self.model_lat else None
 
@@ -91,6 +95,7 @@ class AdaptiveConcurrency:
         self.max_settle_s = max_settle_s
         self._changed_at = 0.0
         self._last_latency: float | None = None
+        self._holding_at: int | None = None  # the level a rate-limit hold was noted at
 
         self.phase = "slow_start"
         self.decisions: list[dict] = []
@@ -241,12 +246,21 @@ class AdaptiveConcurrency:
                 self.phase = "steady"
             self._windows_since_probe = 0
             if kind == "http_429":
-                lat_s = (mlat or lat or 1000.0) / 1000.0
-                little = max(1, math.ceil(X * lat_s))
+                # slot time of successful rollouts, retries' backoff included: what a slot really costs
+                lat_s = (w.mean_latency_ms() or mlat or lat or 1000.0) / 1000.0
+                little = max(1, math.ceil(X * lat_s * 1.1))
                 # Little's law gives the concurrency that sustains the accepted rate; one more keeps the pipe full
-                new = little + 1 if little + 1 < L else int(L * self.backoff)
-                self._set(new, f"429 on {100 * frac:.0f}% of requests: rate limited; the accepted {X:.1f} rollouts/s x "
-                               f"{lat_s:.2f} s latency needs about {little} in flight (RPM/60 x latency)", w, signal="http_429")
+                why = (f"429 on {100 * frac:.0f}% of requests: rate limited; the accepted {X:.1f} rollouts/s x "
+                       f"{lat_s:.2f} s per slot needs about {little} in flight (RPM/60 x latency)")
+                if little + 1 < L:
+                    self._set(little + 1, why, w, signal="http_429")
+                elif frac >= 0.25:
+                    self._set(int(L * 0.85), why + "; many 429s at that level: x0.85", w, signal="http_429")
+                else:  # at the sustaining level: a few 429s at the limit's edge are expected; stay, go no higher
+                    self._ceiling, self._ceiling_age = L + 1, 0
+                    if self._holding_at != L:
+                        self._holding_at = L
+                        self._note(why + f"; {L} is about that: holding")
             else:
                 self._set(int(L * self.backoff), f"timeouts / 5xx / connection errors on {100 * frac:.0f}% of requests: "
                                                  f"server overloaded, backing off x{self.backoff}", w, signal="errors")
