@@ -143,9 +143,15 @@ BASE_URL_REGEX = rf"^https?://(?:[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0
 validate_base_url = RegexValidator(BASE_URL_REGEX, "Enter a valid http(s) URL, e.g. http://127.0.0.1:8000")
 
 
+NOT_BLANK = RegexValidator(r"\S", "must contain a non-whitespace character")
+
+
 class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
-    name = serializers.CharField(min_length=1, max_length=200)
-    model_name = serializers.CharField(min_length=1, max_length=300, help_text="The model name the server serves")
+    # Names are stripped of surrounding whitespace, so they must hold a visible character (the
+    # pattern puts that rule in the schema too).
+    name = serializers.CharField(min_length=1, max_length=200, validators=[NOT_BLANK])
+    model_name = serializers.CharField(min_length=1, max_length=300, validators=[NOT_BLANK],
+                                       help_text="The model name the server serves")
     base_url = serializers.CharField(max_length=500, validators=[validate_base_url],
                                      help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
     api_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500,
