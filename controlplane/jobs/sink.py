@@ -85,6 +85,8 @@ def insert_rollouts(rows: list[dict]) -> list[str]:
     Returns the statuses of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
     if not rows:
         return []
+    if connection.vendor == "postgresql":
+        return _copy_insert_rollouts(rows)
     meta = Rollout._meta
     fields = [meta.get_field(name) for name in _INSERT_FIELDS]
     qn = connection.ops.quote_name
@@ -104,6 +106,36 @@ def insert_rollouts(rows: list[dict]) -> list[str]:
             cursor.execute(sql, params)
             inserted.extend(r[0] for r in cursor.fetchall())
     return inserted
+
+
+_STAGING = "jobs_rollout_staging"
+
+
+def _copy_insert_rollouts(rows: list[dict]) -> list[str]:
+    """PostgreSQL: COPY the batch into a session-local staging table, then move it with one
+    INSERT ... SELECT ... ON CONFLICT DO NOTHING RETURNING status. Same rows, same exactly-once rule as
+    the multi-row VALUES insert, at about half the client and server CPU: no 10,000-placeholder
+    statement for psycopg to split and PostgreSQL to parse on every batch."""
+    if not connection.in_atomic_block:  # the staging rows must live until the INSERT reads them
+        with transaction.atomic():
+            return _copy_insert_rollouts(rows)
+    meta = Rollout._meta
+    fields = [meta.get_field(name) for name in _INSERT_FIELDS]
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in fields)
+    conflict = ", ".join(qn(meta.get_field(n).column) for n in ("job", "task_index", "rollout_index"))
+    with connection.cursor() as cursor, connection.wrap_database_errors:
+        cursor.execute(f"SET LOCAL client_min_messages TO warning; "
+                       f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} ON COMMIT DELETE ROWS AS "
+                       f"SELECT {columns} FROM {qn(meta.db_table)} WITH NO DATA")
+        with cursor.cursor.copy(f"COPY {_STAGING} ({columns}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([f.get_db_prep_save(row[f.name], connection) for f in fields])
+        # the DELETE ... RETURNING empties the staging table for the next batch in the same transaction
+        cursor.execute(f"WITH staged AS (DELETE FROM {_STAGING} RETURNING {columns}) "
+                       f"INSERT INTO {qn(meta.db_table)} ({columns}) SELECT {columns} FROM staged "
+                       f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {qn(meta.get_field('status').column)}")
+        return [r[0] for r in cursor.fetchall()]
 
 
 # --- the sink ------------------------------------------------------------------------------------
