@@ -17,11 +17,12 @@ on PostgreSQL (created, migrated, dropped at the end), and ONE real Celery worke
 
 Throughput, identical for both: rollouts / (t_last - t_first), where t_first is the moment the
 simulator first reports a request (running, waiting or finished in its /metrics, polled every 2 ms
-by the bench until the first request shows up) and t_last is, for the bare client, the moment run_bare returns (last
-answer verified) and, for the product, the moment the bench sees the job's last rollout committed
-in PostgreSQL (count(*) polled every 20 ms). The product's column "incl. start" also counts from the
-moment create_job was called (Celery hop, lease, first page of rows read), and "job done" until the
-job's state is completed (aggregate metrics written).
+by the bench until the first request shows up) and t_last is, for the bare client, the moment
+run_bare returns (last answer verified) and, for the product, the moment the bench sees the job's
+last rollout committed in PostgreSQL (the job's counters, bumped in the same transaction as the
+rows, polled every 20 ms). The product's column "incl. start" also counts from the moment
+create_job was called (Celery hop, lease, first page of rows read), and "job done" until the job's
+state is completed (aggregate metrics written).
 
     .venv/bin/python -m bench.bench_collection                      # ~3-4 minutes on 2 cores
     .venv/bin/python -m bench.bench_collection -n 4000 -c 64,512 --reps 2 --json bench/results/coll.json
@@ -223,10 +224,11 @@ class CpuMeter:
     def snapshot(self):
         return self._tree(self.client), self._tree(self.sim), self._postgres()
 
-    @staticmethod
-    def delta(a, b) -> dict:
+    def delta(self, a, b) -> dict:
         names = ("client", "simulator", "postgres")
-        return {name: sum(v - x.get(pid, 0.0) for pid, v in y.items()) for name, x, y in zip(names, a, b)}
+        out = {name: sum(v - x.get(pid, 0.0) for pid, v in y.items()) for name, x, y in zip(names, a, b)}
+        out["client_main"] = b[0].get(self.client.pid, 0.0) - a[0].get(self.client.pid, 0.0)
+        return out
 
 
 def run_bare_once(sim_url, rows, n, conc, max_tokens, pool, meter) -> dict:
@@ -257,19 +259,23 @@ def run_product_once(user, dataset, endpoint, n, conc, max_tokens, chunk_size, m
                               num_samples_in_parallel=conc, responses_create_params={"max_output_tokens": max_tokens},
                               verifier="math", chunk_size=chunk_size, name=f"bench c={conc}", launch=True)
     deadline = t_dispatch + timeout
-    table = Rollout._meta.db_table
+    # The sink bumps the job's counters in the same transaction as each batch of rows, so counters == n
+    # means the last row is committed. A primary-key read every 20 ms (a count(*) over the job's rows
+    # would charge the bench's own polling to the product side).
+    table = CollectionJob._meta.db_table
     t_stored = None
     with connection.cursor() as cur:
         while True:
-            cur.execute(f"SELECT count(*) FROM {table} WHERE job_id = %s", [job.pk])
-            if cur.fetchone()[0] >= n:
+            cur.execute(f"SELECT completed_count + failed_count, state, error_message FROM {table} WHERE id = %s",
+                        [job.pk])
+            stored, state, error = cur.fetchone()
+            if stored >= n:
                 t_stored = time.monotonic()
                 break
             if time.monotonic() > deadline:
                 raise SystemExit(f"job {job.pk} did not store {n} rollouts in {timeout}s")
-            job.refresh_from_db(fields=["state", "error_message"])
-            if job.state in (JobState.FAILED, JobState.CANCELLED):
-                raise SystemExit(f"job {job.pk} {job.state}: {job.error_message}")
+            if state in (JobState.FAILED, JobState.CANCELLED):
+                raise SystemExit(f"job {job.pk} {state}: {error}")
             time.sleep(0.02)
     t_first = first.stop()
     while True:
@@ -282,12 +288,16 @@ def run_product_once(user, dataset, endpoint, n, conc, max_tokens, chunk_size, m
     t_done = time.monotonic()
     cpu = meter.delta(cpu0, meter.snapshot())
     secs = t_stored - t_first
-    rewards = Rollout.objects.filter(job=job, status="ok").values_list("reward", flat=True)
-    rewards = list(rewards)
-    ok = len(rewards)
+    from django.db.models import Avg, Count
+
+    agg = Rollout.objects.filter(job=job, status="ok").aggregate(
+        ok=Count("id"), reward=Avg("reward"), queue_ms=Avg("queue_ms"), ttft_ms=Avg("ttft_ms"),
+        verify_ms=Avg("verify_ms"), wall_ms=Avg("wall_ms"))
+    ok = agg["ok"]
     return {"cpu": cpu, "side": "product", "concurrency": conc, "n": n, "ok": ok, "failed": n - ok, "secs": secs,
             "rps": n / secs, "rps_incl_start": n / (t_stored - t_dispatch), "rps_job_done": n / (t_done - t_first),
-            "start_s": t_first - t_dispatch, "mean_reward": (sum(rewards) / ok) if ok else None,
+            "start_s": t_first - t_dispatch, "mean_reward": agg["reward"],
+            "timings_ms": {k: agg[k] for k in ("queue_ms", "ttft_ms", "verify_ms", "wall_ms")},
             "state": job.state, "job_id": job.pk, "chunks": job.chunks.count()}
 
 
@@ -310,9 +320,11 @@ def throughput_tables(results, concs):
                      f"{r['rps_incl_start']:.0f}" if "rps_incl_start" in r else "-",
                      f"{r['rps_job_done']:.0f}" if "rps_job_done" in r else "-",
                      f"{r['mean_reward']:.3f}" if r.get("mean_reward") is not None else "-",
-                     *(f"{r['cpu'][k] * 1000 / r['n']:.2f}" for k in ("client", "simulator", "postgres"))])
+                     *(f"{r['cpu'][k] * 1000 / r['n']:.2f}" for k in ("client", "client_main", "simulator", "postgres")),
+                     " ".join(f"{v:.0f}" for v in r["timings_ms"].values()) if "timings_ms" in r else "-"])
     print_table(["rep", "conc", "side", "n", "ok", "secs", "rollouts/s", "incl. start", "job done", "reward",
-                 "client cpu-ms/rollout", "sim cpu-ms", "postgres cpu-ms"], rows)
+                 "client cpu-ms/rollout", "main proc", "sim cpu-ms", "postgres cpu-ms",
+                 "queue/ttft/verify/wall ms"], rows)
 
     print("\nside by side (one Celery worker -> PostgreSQL vs bare client; same rows, max_tokens, verifier):")
     rows = []
@@ -334,10 +346,12 @@ def throughput_tables(results, concs):
 rollouts/s = rollouts / (t_last - t_first), the same clock (the bench's monotonic) for both:
   t_first = the simulator first reports a request (its /metrics polled every 2 ms);
   t_last  = bare: run_bare returned (last answer verified);
-            product: the job's last rollout is committed in PostgreSQL (count polled every 20 ms).
+            product: the job's last rollout is committed in PostgreSQL (the job's counters, which the
+            sink bumps in the same transaction as the rows, polled every 20 ms).
 cpu-ms/rollout: CPU time used during the run (psutil) / rollouts; client = the bench process and its
 verifier pool (bare) or the Celery worker and all its children (product); postgres = every postgres
-process on the machine (other people's queries included: noisy).
+process on the machine (other people's queries included: noisy); main proc = the client's own process
+(without its verifier processes). queue/ttft/verify/wall ms: the product's mean per-rollout timings.
 ratio per pair = product / bare of the two runs made back to back; "incl. start" counts the product
 from create_job() (Celery hop, lease, first page of rows); "job done" until the job is completed.""")
     return summary
@@ -397,7 +411,7 @@ def throughput_mode(args, tmp: Path, sim_url: str, sim_pid: int, queue: str):
                         if args.profile:
                             out = Path(args.profile) / f"worker-c{c}-rep{rep}.txt"
                             out.parent.mkdir(parents=True, exist_ok=True)
-                            spy = subprocess.Popen([args.py_spy, "record", "-p", str(worker.popen.pid), "-s", "-r", "50",
+                            spy = subprocess.Popen([args.py_spy, "record", "-p", str(worker.popen.pid), "-r", "100",
                                                     "-f", "raw", "-o", str(out)], stdout=subprocess.DEVNULL,
                                                    stderr=subprocess.DEVNULL)
                         r = run_product_once(user, dataset, ep, args.n, c, args.max_tokens, args.chunk_size,
