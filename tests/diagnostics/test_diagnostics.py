@@ -136,3 +136,23 @@ def test_sweep_service_command_and_api(settings, user, math_dataset, sim_endpoin
     assert client.post("/api/sweeps/", {"endpoint": "x"}, format="json").status_code == 400
     listing = client.get("/api/sweeps/").json()
     assert {s["id"] for s in listing} >= {sweep.pk}
+
+
+def test_sweep_api_post_dispatches_the_celery_task(settings, user, math_dataset, sim_endpoint, simulator_factory,
+                                                   monkeypatch):
+    settings.ROOT_URLCONF = "tests.diagnostics.urls"
+    from controlplane.diagnostics import tasks
+
+    sent = []
+    monkeypatch.setattr(tasks.run_sweep_task, "delay", lambda sweep_id: sent.append(sweep_id))
+    sim = simulator_factory(seed=14, ttft_ms=20, itl_ms=2, jitter=0, output_len_min=10, output_len_max=10)
+    ds = math_dataset(8, owner=user)
+    ep = sim_endpoint(sim.url, owner=user)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    r = client.post("/api/sweeps/", {"endpoint": ep.pk, "dataset": ds.pk, "sample_size": 8, "levels": [1, 2]},
+                    format="json")
+    assert r.status_code == 201, r.content
+    assert sent == [r.json()["id"]]
+    assert tasks.run_sweep_task(sent[0]) == "completed"  # the task body, run here
+    assert client.get(f"/api/sweeps/{sent[0]}/").json()["state"] == "completed"
