@@ -17,9 +17,9 @@ The algorithm works for any endpoint (hosted APIs have no /metrics) and says why
    `trim_latency` x the best seen) probe 20% lower and keep it if goodput held: concurrency that only
    queues is given back.
 3. Back off at once on:
-   - 429s (>= 1% of attempts): to the concurrency that sustains the accepted rate, Little's law:
-     accepted rollouts/s x mean slot time (the seed's "RPM/60 x latency"; the slot time includes the
-     retries' backoff) x 1.1, plus one; x0.7 when that would not lower it;
+   - 429s (>= 1% of attempts, at most once per two latencies): to the concurrency that sustains the
+     accepted rate, Little's law: accepted rollouts/s over the last 5 s x the model's request latency x 1.2,
+     plus one (the seed's "RPM/60 x latency"); already there: hold, and go no higher; many 429s there: x0.85;
    - timeouts / 5xx / connection errors (>= 2%): x0.7;
    - vLLM preemptions (server out of KV cache): x0.85; a waiting queue at the server with a full KV cache:
      trim by the queue length;
@@ -28,6 +28,7 @@ Every decision is recorded as {"t", "from", "to", "reason", ...} in `decisions`.
 """
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 import threading
@@ -75,7 +76,8 @@ class AdaptiveConcurrency:
                  telemetry: Any = None, settle_ticks: int = 1, measure_ticks: int = 2, gain: float = 0.08,
                  probe_every: int = 4, probe_up: float = 1.25, probe_down: float = 0.8, backoff: float = 0.7,
                  latency_tolerance: float = 2.5, trim_latency: float = 1.6, ceiling_windows: int = 12,
-                 min_window_rollouts: int = 20, max_window_s: float = 10.0, max_settle_s: float = 5.0):
+                 min_window_rollouts: int = 20, max_window_s: float = 10.0, max_settle_s: float = 5.0,
+                 rate_horizon_s: float = 5.0):
         self.min = max(1, int(min_parallelism))
         self.max = max(self.min, int(max_parallelism))
         self.limit = min(self.max, max(self.min, int(initial)))
@@ -96,6 +98,11 @@ class AdaptiveConcurrency:
         self._changed_at = 0.0
         self._last_latency: float | None = None
         self._holding_at: int | None = None  # the level a rate-limit hold was noted at
+        self.rate_horizon_s = rate_horizon_s
+        self._recent: collections.deque = collections.deque()  # (elapsed, dt, ok, slot_ms_sum, slot_n) per tick
+        self._tick_slot_sum = 0.0
+        self._tick_slot_n = 0
+        self._last_429_t: float | None = None
 
         self.phase = "slow_start"
         self.decisions: list[dict] = []
@@ -132,6 +139,8 @@ class AdaptiveConcurrency:
         if getattr(result, "ok", False):
             if result.wall_ms is not None:
                 self._win.latencies.append(result.wall_ms)
+                self._tick_slot_sum += result.wall_ms
+                self._tick_slot_n += 1
             if result.ttft_ms is not None:
                 self._win.model_lat.append(result.ttft_ms + (result.generation_ms or 0.0))
 
@@ -151,6 +160,10 @@ class AdaptiveConcurrency:
         d_ok = tick.completed - self._last_completed if self._last_completed is not None else tick.completed
         self._last_elapsed, self._last_completed = tick.elapsed_s, tick.completed
         self._elapsed = tick.elapsed_s
+        self._recent.append((tick.elapsed_s, max(0.0, dt), max(0, d_ok), self._tick_slot_sum, self._tick_slot_n))
+        self._tick_slot_sum, self._tick_slot_n = 0.0, 0
+        while self._recent and self._recent[0][0] < tick.elapsed_s - self.rate_horizon_s:
+            self._recent.popleft()
         if tick.parallelism != self.limit or self._settle > 0 or tick.in_flight > self.limit \
                 or tick.elapsed_s - self._changed_at < min(self.max_settle_s, self._latency_s()):
             if tick.parallelism == self.limit and self._settle > 0:
@@ -246,12 +259,20 @@ class AdaptiveConcurrency:
                 self.phase = "steady"
             self._windows_since_probe = 0
             if kind == "http_429":
-                # slot time of successful rollouts, retries' backoff included: what a slot really costs
-                lat_s = (w.mean_latency_ms() or mlat or lat or 1000.0) / 1000.0
-                little = max(1, math.ceil(X * lat_s * 1.1))
+                # the accepted rate over the last few seconds (one tick is too noisy) x the model's request
+                # latency (not the slot time: that includes the 429s' backoff, and would feed on itself)
+                if self._last_429_t is not None and self._elapsed - self._last_429_t < max(2.0, 2 * self._latency_s()):
+                    return  # the last 429 decision has not had time to show its effect
+                self._last_429_t = self._elapsed
+                span = sum(r[1] for r in self._recent)
+                X = sum(r[2] for r in self._recent) / span if span > 0 else X
+                n_slot = sum(r[4] for r in self._recent)
+                slot_ms = sum(r[3] for r in self._recent) / n_slot if n_slot else (lat or 1000.0)
+                lat_s = (mlat or slot_ms) / 1000.0
+                little = max(1, math.ceil(X * lat_s * 1.2))
                 # Little's law gives the concurrency that sustains the accepted rate; one more keeps the pipe full
                 why = (f"429 on {100 * frac:.0f}% of requests: rate limited; the accepted {X:.1f} rollouts/s x "
-                       f"{lat_s:.2f} s per slot needs about {little} in flight (RPM/60 x latency)")
+                       f"{lat_s:.2f} s latency x 1.2 needs about {little} in flight (RPM/60 x latency)")
                 if little + 1 < L:
                     self._set(little + 1, why, w, signal="http_429")
                 elif frac >= 0.25:
