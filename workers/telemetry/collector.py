@@ -166,7 +166,8 @@ class Telemetry:
                 self._vllm, self._vllm_t, self._vllm_fresh = result, time.monotonic(), True
                 if result.get("ok"):
                     self.latest_vllm, self.latest_vllm_t = result, self._vllm_t
-            await asyncio.sleep(max(0.05, min(next_sample, next_scrape if self.scraper else next_sample) - time.monotonic()))
+            scraping = self.scraper is not None and self.scraper.supported
+            await asyncio.sleep(max(0.05, min(next_sample, next_scrape if scraping else next_sample) - time.monotonic()))
 
     # ------------------------------------------------------------------------------------ payload
     def payload(self) -> dict:
