@@ -471,10 +471,13 @@ def memory_mode(args, tmp: Path, sim_url: str, queue: str):
                                       responses_create_params={"max_output_tokens": args.max_tokens},
                                       verifier="math", chunk_size=args.chunk_size, name=f"memory {n}", launch=True)
             series = []
+            timeline = []  # (s, worker MB, worker+children MB, rollouts stored): in the --json output
             while True:
                 main, total, k = sample()
                 peak_main, peak_total, nprocs = max(peak_main, main), max(peak_total, total), max(nprocs, k)
                 series.append(main)
+                timeline.append((round(time.monotonic() - t0, 2), round(main / 2**20, 1), round(total / 2**20, 1),
+                                 job.completed_count + job.failed_count))
                 job.refresh_from_db(fields=["state", "completed_count", "failed_count", "error_message"])
                 if job.state not in (JobState.QUEUED, JobState.RUNNING):
                     break
@@ -483,10 +486,12 @@ def memory_mode(args, tmp: Path, sim_url: str, queue: str):
                 time.sleep(0.25)
             secs = time.monotonic() - t0
             mb = 1 / (1024 * 1024)
-            r = {"tasks": n, "state": job.state, "stored": job.completed_count + job.failed_count,
+            collecting = [m for _, m, _, stored in timeline if stored < n] or [0.0]
+            r = {"peak_collect_mb": max(collecting), "tasks": n, "state": job.state, "stored": job.completed_count + job.failed_count,
                  "secs": secs, "rps": n / secs, "idle_main_mb": idle_main * mb, "peak_main_mb": peak_main * mb,
                  "peak_total_mb": peak_total * mb, "processes": nprocs,
-                 "main_mb_at_10pct": series[len(series) // 10] * mb, "main_mb_at_end": series[-1] * mb}
+                 "main_mb_at_10pct": series[len(series) // 10] * mb, "main_mb_at_end": series[-1] * mb,
+                 "timeline": timeline}
             out.append(r)
             print(f"  {n} tasks: {job.state}, {r['stored']} stored in {secs:.0f}s, worker peak RSS "
                   f"{r['peak_main_mb']:.0f} MB (+children {r['peak_total_mb']:.0f} MB)", flush=True)
@@ -494,15 +499,19 @@ def memory_mode(args, tmp: Path, sim_url: str, queue: str):
             worker.stop()
     print(f"\nworker memory (one Celery worker -P threads -c 1, concurrency {args.memory_concurrency}, "
           f"chunk size {args.chunk_size}):")
-    print_table(["tasks", "state", "stored", "secs", "rollouts/s", "idle MB", "peak worker MB", "worker MB @10%",
-                 "worker MB @end", "peak worker+children MB", "processes"],
+    print_table(["tasks", "state", "stored", "secs", "rollouts/s", "idle MB", "worker MB @10%",
+                 "peak worker MB collecting", "peak worker MB incl. finalize", "worker MB @end",
+                 "peak worker+children MB", "processes"],
                 [[r["tasks"], r["state"], r["stored"], f"{r['secs']:.0f}", f"{r['rps']:.0f}", f"{r['idle_main_mb']:.0f}",
-                  f"{r['peak_main_mb']:.0f}", f"{r['main_mb_at_10pct']:.0f}", f"{r['main_mb_at_end']:.0f}",
-                  f"{r['peak_total_mb']:.0f}", r["processes"]] for r in out])
+                  f"{r['main_mb_at_10pct']:.0f}", f"{r['peak_collect_mb']:.0f}", f"{r['peak_main_mb']:.0f}",
+                  f"{r['main_mb_at_end']:.0f}", f"{r['peak_total_mb']:.0f}", r["processes"]] for r in out])
     print("RSS from psutil every 0.25 s: 'worker' is the Celery worker process; children are the forkserver "
-          "and the verifier processes (shared pages counted once per process).")
+          "and the verifier processes (shared pages counted once per process).\n'collecting': samples taken "
+          "before the job's last rollout was stored; 'incl. finalize' adds the job's finalization "
+          "(services.finalize_job: aggregate metrics over all its rows).")
     if len(out) >= 2:
-        print(f"peak worker RSS {out[-1]['tasks']} vs {out[0]['tasks']} tasks: "
+        print(f"peak worker RSS {out[-1]['tasks']} vs {out[0]['tasks']} tasks: collecting "
+              f"{out[-1]['peak_collect_mb'] / out[0]['peak_collect_mb']:.2f}x, incl. finalize "
               f"{out[-1]['peak_main_mb'] / out[0]['peak_main_mb']:.2f}x")
     return {"memory": out}
 
