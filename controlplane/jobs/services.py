@@ -230,9 +230,10 @@ def compute_summaries(job, batch_size=2000):
     Aggregates are over the successful output rows (NeMo Gym's output file); timings over every row."""
     from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 
-    agg = AggregateAccumulator()
+    agg = AggregateAccumulator(ordered_by_task=True)
     timing = TimingAccumulator()
-    qs = (Rollout.objects.filter(job_id=job.pk).order_by()
+    # (task, repeat) order walks the unique index and lets the accumulator fold each finished task
+    qs = (Rollout.objects.filter(job_id=job.pk).order_by("task_index", "rollout_index")
           .values_list("status", "data", "failure_class", *TIMING_FIELDS))
     for status, data, failure_class, *timings in qs.iterator(chunk_size=batch_size):
         timing.add(**dict(zip(TIMING_FIELDS, timings)))

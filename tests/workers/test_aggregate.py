@@ -117,3 +117,26 @@ def test_merge_overrides_deep_and_does_not_mutate():
     assert row["responses_create_params"] == {"input": "x", "temperature": 0.2, "metadata": {"a": 1, "b": 2}}
     assert merge_overrides(row, {}) is row
     assert merge_overrides({"k": 1}, {"temperature": 0})["responses_create_params"] == {"temperature": 0}
+
+
+def test_ordered_by_task_folds_tasks_and_gives_the_same_metrics():
+    import random
+
+    rng = random.Random(3)
+    rows = []
+    for task in range(500):
+        for rep in range(4):
+            answer = str(rng.choice([task, task + 1]))
+            rows.append({"_ng_task_index": task, "_ng_rollout_index": rep, "reward": float(answer == str(task)),
+                         "extracted_answer": answer})
+    unordered = AggregateAccumulator().add_many(rows)
+    ordered = AggregateAccumulator(ordered_by_task=True)
+    most_open = 0
+    for row in rows:
+        ordered.add(row)
+        most_open = max(most_open, len(ordered.groups))
+    assert most_open == 1  # one task open at a time: memory does not grow with the number of tasks
+    a, b = unordered.result(), ordered.result()
+    assert a.keys() == b.keys() and {"pass@1", "pass@2", "pass@4", "majority@4", "num_tasks"} <= a.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key]), key

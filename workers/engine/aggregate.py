@@ -1,8 +1,8 @@
 """Streaming aggregate metrics over NeMo Gym output rows, and timing percentiles.
 
 `AggregateAccumulator` takes output rows one at a time and keeps one `array('d')` per numeric field
-(8 bytes per value) plus a small record per task for pass@k / majority@k, so it can follow a job of any
-size without holding the rows. `result()` gives NeMo Gym-style keys:
+(8 bytes per value) plus a small record per open task for pass@k / majority@k (closed tasks fold into counters when rows
+arrive in task order), so it can follow a job of any size without holding the rows. `result()` gives NeMo Gym-style keys:
 
     mean/reward, min/reward, max/reward, median/reward, std/reward   (every numeric field)
     mean/output_tokens ... (usage from `response.usage`: input_tokens, output_tokens, total_tokens,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import Counter
 from typing import Any, Iterable
 
 _SKIP = {"_ng_task_index", "_ng_rollout_index"}
@@ -83,12 +84,26 @@ class _Group:
 class AggregateAccumulator:
     """Aggregate metrics over output rows, added one at a time (see the module docstring)."""
 
-    def __init__(self, reward_threshold: float = 1.0, answer_field: str = "extracted_answer"):
+    def __init__(self, reward_threshold: float = 1.0, answer_field: str = "extracted_answer",
+                 ordered_by_task: bool = False):
+        """ordered_by_task: rows arrive grouped by `_ng_task_index` (e.g. read in (task, repeat)
+        order from the database). Each task is then folded into a few counters as soon as the next
+        one starts, so memory for pass@k / majority@k stays constant however many tasks a job has."""
         self.reward_threshold = reward_threshold
         self.answer_field = answer_field
+        self.ordered_by_task = ordered_by_task
         self.fields: dict[str, array] = {}
-        self.groups: dict[Any, _Group] = {}
+        self.groups: dict[Any, _Group] = {}  # tasks still open
+        self.folded: Counter = Counter()  # (n, c) -> number of closed tasks with n rows, c correct
+        self.majority = [0, 0]  # closed tasks with answers: [majority answer right, total]
         self.num_rows = 0
+
+    def _fold(self, task) -> None:
+        g = self.groups.pop(task)
+        self.folded[(g.n, g.c)] += 1
+        if g.answers:
+            self.majority[0] += bool(_majority_correct(g))
+            self.majority[1] += 1
 
     def _push(self, key: str, value: float):
         arr = self.fields.get(key)
@@ -118,6 +133,9 @@ class AggregateAccumulator:
             task = row.get("_ng_task_index")
             group = self.groups.get(task)
             if group is None:
+                if self.ordered_by_task:
+                    for open_task in list(self.groups):
+                        self._fold(open_task)
                 group = self.groups[task] = _Group()
             group.n += 1
             correct = reward >= self.reward_threshold
@@ -143,25 +161,26 @@ class AggregateAccumulator:
         for key in sorted(self.fields):
             for stat, value in describe(self.fields[key]).items():
                 out[f"{stat}/{key}"] = value
-        if self.groups:
-            out["num_tasks"] = len(self.groups)
-            sizes = {g.n for g in self.groups.values()}
-            kmax = max(sizes)
+        for task in list(self.groups):  # close what is open (result() is called at the end)
+            self._fold(task)
+        if self.folded:
+            out["num_tasks"] = sum(self.folded.values())
+            kmax = max(n for n, _ in self.folded)
             ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= kmax} | {kmax})
             for k in ks:
-                eligible = [g for g in self.groups.values() if g.n >= k]
+                eligible = [(n, c, count) for (n, c), count in self.folded.items() if n >= k]
                 if eligible:
-                    out[f"pass@{k}"] = math.fsum(pass_at_k(g.n, g.c, k) for g in eligible) / len(eligible)
-            if kmax > 1:
-                with_answers = [g for g in self.groups.values() if g.answers]
-                if with_answers:
-                    hits = 0
-                    for g in with_answers:
-                        # most common answer; ties go to the answer seen first
-                        best = max(g.answers.values(), key=lambda s: (s[0], -s[2]))
-                        hits += bool(best[1])
-                    out[f"majority@{kmax}"] = hits / len(with_answers)
+                    total = sum(count for _, _, count in eligible)
+                    out[f"pass@{k}"] = math.fsum(pass_at_k(n, c, k) * count for n, c, count in eligible) / total
+            if kmax > 1 and self.majority[1]:
+                out[f"majority@{kmax}"] = self.majority[0] / self.majority[1]
         return out
+
+
+def _majority_correct(group: _Group) -> bool:
+    # most common answer; ties go to the answer seen first
+    best = max(group.answers.values(), key=lambda s: (s[0], -s[2]))
+    return bool(best[1])
 
 
 class TimingAccumulator:
