@@ -23,7 +23,7 @@ The algorithm works for any endpoint (hosted APIs have no /metrics) and says why
    - timeouts / 5xx / connection errors (>= 2%): x0.7;
    - vLLM preemptions (server out of KV cache): x0.85; a waiting queue at the server with a full KV cache:
      trim by the queue length;
-   - latency above `latency_tolerance` x the best seen without a goodput gain: scale down by the ratio.
+   - latency above `latency_tolerance` x the best seen for two windows in a row: scale down by the ratio.
 Every decision is recorded as {"t", "from", "to", "reason", ...} in `decisions`.
 """
 from __future__ import annotations
@@ -103,6 +103,8 @@ class AdaptiveConcurrency:
         self._tick_slot_sum = 0.0
         self._tick_slot_n = 0
         self._last_429_t: float | None = None
+        self._drained_at: float | None = 0.0
+        self._lat_strikes = 0
 
         self.phase = "slow_start"
         self.decisions: list[dict] = []
@@ -164,8 +166,14 @@ class AdaptiveConcurrency:
         self._tick_slot_sum, self._tick_slot_n = 0.0, 0
         while self._recent and self._recent[0][0] < tick.elapsed_s - self.rate_horizon_s:
             self._recent.popleft()
+        # requests sent before a decrease (possibly queued at the server) must drain, then one latency pass
+        if tick.in_flight > self.limit:
+            self._drained_at = None
+        elif self._drained_at is None:
+            self._drained_at = tick.elapsed_s
+        since = max(self._changed_at, self._drained_at if self._drained_at is not None else tick.elapsed_s)
         if tick.parallelism != self.limit or self._settle > 0 or tick.in_flight > self.limit \
-                or tick.elapsed_s - self._changed_at < min(self.max_settle_s, self._latency_s()):
+                or tick.elapsed_s - since < min(self.max_settle_s, self._latency_s()):
             if tick.parallelism == self.limit and self._settle > 0:
                 self._settle -= 1
             self._win = _Window()
@@ -375,7 +383,9 @@ class AdaptiveConcurrency:
         bX = self._base[1]
 
         # 5. latency guard: far above the best seen, with no goodput to show for it
-        if lat and self._min_latency and lat > self.latency_tolerance * self._min_latency and L > self.min:
+        inflated = bool(lat and self._min_latency and lat > self.latency_tolerance * self._min_latency)
+        self._lat_strikes = self._lat_strikes + 1 if inflated else 0
+        if inflated and self._lat_strikes >= 2 and L > self.min:  # two windows in a row: not a leftover
             factor = max(0.5, self.latency_tolerance * self._min_latency / lat)
             self._set(int(L * factor), f"latency {lat:.0f} ms is {lat / self._min_latency:.1f}x the best seen "
                                        f"({self._min_latency:.0f} ms) at flat goodput: concurrency only queues", w,

@@ -77,7 +77,7 @@ def test_latency_guard_gives_back_queueing_concurrency():
         plant.step(ctl)
     ctl.limit = 512  # an operator (or a stale setting) put it far too high
     ctl._changed_at = plant.t
-    for _ in range(60):
+    for _ in range(200):  # 100 s: every cut waits for the queue to drain and two windows to agree
         plant.step(ctl)
     assert ctl.limit <= 64
     assert any(d.get("signal") == "latency" or "probe down" in d["reason"] for d in ctl.decisions)
