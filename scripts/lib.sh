@@ -53,8 +53,12 @@ ensure_venv() {  # ensure_venv requirements-file : a venv with those pins, reins
   [ -x "$PY" ] || { log "creating $VENV"; python3 -m venv "$VENV"; }
   local want; want=$(cat "$ROOT/requirements.txt" "$ROOT/$req" | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    log "installing Python packages from $req"
-    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/$req"
+    log "installing Python packages from $req (log: var/log/pip-install.log)"
+    mkdir -p "$ROOT/var/log"
+    if ! "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/$req" >"$ROOT/var/log/pip-install.log" 2>&1; then
+      grep -v "is ignored: it is neither a file nor a directory" "$ROOT/var/log/pip-install.log" | tail -40 >&2
+      die "pip install -r $req failed; full log: var/log/pip-install.log"
+    fi
     echo "$want" > "$stamp"
   fi
 }
