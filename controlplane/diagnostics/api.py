@@ -132,7 +132,9 @@ class SweepListView(_Base):
 
 
 class SweepDetailView(_Base):
-    @extend_schema(summary="One parallelism sweep with its curve", responses={200: SweepSerializer})
+    @extend_schema(summary="One parallelism sweep with its curve",
+                   responses={200: SweepSerializer, 401: OpenApiResponse(description="Not authenticated"),
+                              404: OpenApiResponse(description="Not found (or another user's sweep)")})
     def get(self, request, sweep_id: str):
         sweep = _visible_sweeps(request.user).filter(pk=int(sweep_id)).first()
         if sweep is None:

@@ -22,7 +22,7 @@ MAX_EXAMPLES = 10
 # be refused with 400: credentials (token), the *content* of an uploaded file (every line is validated),
 # and references to stored objects (a job's dataset must exist, be visible and be ready). Every other
 # check still runs on them (no 5xx, conforming status codes, content types and bodies, ...).
-STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/"}
+STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/"}
 
 
 @pytest.fixture
@@ -43,11 +43,8 @@ def api_schema(db, alice):
         signals.request_finished.connect(close_old_connections)
 
 
-# Routes other apps mount under /api/ (diagnostics: /jobs/{job_id}/diagnosis/, /sweeps/...) are fuzzed by
-# their own test below, so that a finding there is reported against them and does not hide one here.
-OTHER_APPS = r"^/api/(sweeps/|jobs/\{job_id\}/diagnosis/)"
-schema = schemathesis.pytest.from_fixture("api_schema").exclude(path_regex=OTHER_APPS)
-other_apps_schema = schemathesis.pytest.from_fixture("api_schema").include(path_regex=OTHER_APPS)
+# Every route under /api/ is fuzzed, including those other apps mount there (diagnosis, sweeps).
+schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @pytest.fixture
@@ -82,14 +79,3 @@ def test_api_conforms_to_schema(case, world):
     excluded = [positive_data_acceptance] if f"{case.method.upper()} {path}" in STATEFUL_VALIDITY else []
     case.call_and_validate(headers={"Authorization": f"Token {world['alice'].auth_token.key}"},
                            excluded_checks=excluded)
-
-
-@other_apps_schema.parametrize()
-@hyp_settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-@pytest.mark.xfail(reason="diagnostics API (controlplane/diagnostics/api.py, not this app): POST /api/sweeps/ "
-                          "rejects schema-valid bodies (dataset and job together, multipart) and "
-                          "GET /api/sweeps/{sweep_id}/ answers an undocumented 404 for a non-numeric id; "
-                          "reported to its owner", strict=False)
-def test_other_apps_api_conforms_to_schema(case, world):
-    case.call_and_validate(headers={"Authorization": f"Token {world['alice'].auth_token.key}"})
