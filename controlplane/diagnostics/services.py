@@ -47,26 +47,29 @@ def job_config(job) -> dict:
     }
 
 
+RECENT_ROLLOUTS = 20000  # a running job's timing means come from its newest rollouts: bounded cost, current behaviour
+
+
 def rollout_stats(job) -> dict:
-    """Timing means over the job's rollouts: from the stored timing summary of a finished job, else one
-    aggregate query over its rows."""
+    """Counts, timing means and failures by class for a job: a finished job's means come from its
+    stored timing summary; a running job's from its newest RECENT_ROLLOUTS rows (bounded work on a
+    job of any size, and what the job is doing now rather than since it began). Counts come from the
+    job's counters; failures by class read the (job, status, failure_class) index only."""
     from controlplane.jobs.models import Rollout, TERMINAL_STATES
 
     qs = Rollout.objects.filter(job_id=job.pk)
+    out = {"n": job.completed_count + job.failed_count, "ok": job.completed_count, "failed": job.failed_count}
     summary = job.timing_summary or {}
     if job.state in TERMINAL_STATES and summary.get("wall_ms", {}).get("mean") is not None:
-        out = {"n": job.completed_count + job.failed_count, "ok": job.completed_count, "failed": job.failed_count}
         for f in TIMING_FIELDS:
             out[f] = (summary.get(f) or {}).get("mean")
-        out["failure_classes"] = dict(qs.filter(status=Rollout.Status.FAILED).values_list("failure_class")
-                                      .annotate(c=Count("id")).order_by())
-        return out
-    agg = qs.aggregate(n=Count("id"), ok=Count("id", filter=Q(status=Rollout.Status.OK)),
-                       **{f: Avg(f, filter=Q(status=Rollout.Status.OK)) for f in TIMING_FIELDS})
-    out = {"n": agg["n"], "ok": agg["ok"], "failed": agg["n"] - agg["ok"]}
-    for f in TIMING_FIELDS:
-        out[f] = agg[f]
-    out["failure_classes"] = dict(qs.exclude(failure_class="").values_list("failure_class")
+    else:
+        floor = qs.order_by("-id").values_list("id", flat=True)[RECENT_ROLLOUTS - 1:RECENT_ROLLOUTS].first()
+        recent = qs.filter(id__gte=floor) if floor is not None else qs
+        agg = recent.aggregate(**{f: Avg(f, filter=Q(status=Rollout.Status.OK)) for f in TIMING_FIELDS})
+        for f in TIMING_FIELDS:
+            out[f] = agg[f]
+    out["failure_classes"] = dict(qs.filter(status=Rollout.Status.FAILED).values_list("failure_class")
                                   .annotate(c=Count("id")).order_by())
     return out
 
