@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 
+from workers.engine.aggregate import quantile
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec, TaskItem
 
@@ -114,8 +115,7 @@ class _Recorder:
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return quantile(sorted(values), q, "nearest")
 
 
 def middle_rate(finish: list[float], t_start: float, lo: float = 0.1, hi: float = 0.9) -> float:

@@ -34,11 +34,19 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and not math.isinf(v)
 
 
-def quantile(sorted_values, q: float) -> float:
-    """Linear-interpolated quantile (numpy's default) of an already sorted sequence."""
+def quantile(sorted_values, q: float, method: str = "linear") -> float:
+    """Quantile q (0..1) of an already sorted sequence; nan when it is empty.
+
+    method "linear": interpolated between the two nearest ranks (numpy's default), as a float.
+    method "nearest": the element at rank int(q * n) (the last one at most), no interpolation -- the
+    cheap p50/p99 the telemetry and sweep report."""
     n = len(sorted_values)
     if n == 0:
         return float("nan")
+    if method == "nearest":
+        return sorted_values[min(n - 1, int(n * q))]
+    if method != "linear":
+        raise ValueError(f"unknown quantile method: {method!r}")
     pos = (n - 1) * q
     lo = int(math.floor(pos))
     hi = min(lo + 1, n - 1)

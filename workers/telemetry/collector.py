@@ -25,6 +25,8 @@ import collections
 import time
 from typing import Any
 
+from workers.engine.aggregate import quantile
+
 from .host import GpuSampler, LoopLagMonitor, ProcessSampler
 from .vllm import VllmScraper
 
@@ -38,8 +40,8 @@ def _summary(values: list[float]) -> dict | None:
     n = len(values)
     return {
         "mean": round(sum(values) / n, 3),
-        "p50": round(values[n // 2], 3),
-        "p99": round(values[min(n - 1, int(n * 0.99))], 3),
+        "p50": round(quantile(values, 0.5, "nearest"), 3),
+        "p99": round(quantile(values, 0.99, "nearest"), 3),
     }
 
 

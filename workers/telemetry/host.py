@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+from workers.engine.aggregate import quantile
+
 try:
     import psutil
 except Exception:  # pragma: no cover - psutil is a pinned dependency
@@ -112,8 +114,8 @@ class LoopLagMonitor:
         n = len(lags)
         return {
             "mean_ms": round(sum(lags) / n, 2),
-            "p50_ms": round(lags[n // 2], 2),
-            "p99_ms": round(lags[min(n - 1, int(n * 0.99))], 2),
+            "p50_ms": round(quantile(lags, 0.5, "nearest"), 2),
+            "p99_ms": round(quantile(lags, 0.99, "nearest"), 2),
             "max_ms": round(lags[-1], 2),
             "n": n,
         }
