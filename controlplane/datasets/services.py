@@ -469,6 +469,20 @@ def file_sha256(source) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+def _classify_lines(chunks: Iterable[bytes], stats: _StreamStats, report: _Report):
+    """Yield (line number, row, text, None) for each valid line and (line number, None, "", reason) for each
+    bad one (an oversized line included); blank lines are only counted. Keeps report.total_lines current;
+    good/bad counts are the caller's."""
+    for lineno, raw in _iter_lines(chunks, stats):
+        report.total_lines = lineno
+        if raw is None:
+            yield lineno, None, "", f"line is longer than {MAX_LINE_BYTES} bytes"
+        elif not raw.strip():
+            report.blank_lines += 1
+        else:
+            yield (lineno, *_parse_line(raw))
+
+
 def ingest_jsonl(
     fileobj_or_path,
     *,
@@ -502,21 +516,13 @@ def ingest_jsonl(
     inserting = True  # stop inserting at the first bad line unless accept_partial
     chunks, close = _iter_chunks(fileobj_or_path)
     try:
-        for lineno, raw in _iter_lines(chunks, stats):
-            report.total_lines = lineno
-            if raw is None:
-                report.add_bad(lineno, f"line is longer than {MAX_LINE_BYTES} bytes")
-            elif not raw.strip():
-                report.blank_lines += 1
+        for lineno, row, text, err in _classify_lines(chunks, stats, report):
+            if err is None:
+                if inserting:
+                    writer.add(report.good_rows, lineno, row, text)
+                report.good_rows += 1
                 continue
-            else:
-                row, text, err = _parse_line(raw)
-                if err is None:
-                    if inserting:
-                        writer.add(report.good_rows, lineno, row, text)
-                    report.good_rows += 1
-                    continue
-                report.add_bad(lineno, err)
+            report.add_bad(lineno, err)
             if not accept_partial and inserting:
                 inserting = False
                 writer.discard()
@@ -570,18 +576,11 @@ def validate_jsonl(fileobj_or_path) -> dict:
     report, stats = _Report(), _StreamStats()
     chunks, close = _iter_chunks(fileobj_or_path)
     try:
-        for lineno, raw in _iter_lines(chunks, stats):
-            report.total_lines = lineno
-            if raw is None:
-                report.add_bad(lineno, f"line is longer than {MAX_LINE_BYTES} bytes")
-            elif not raw.strip():
-                report.blank_lines += 1
+        for lineno, _row, _text, err in _classify_lines(chunks, stats, report):
+            if err is None:
+                report.good_rows += 1
             else:
-                _, err = parse_line(raw)
-                if err:
-                    report.add_bad(lineno, err)
-                else:
-                    report.good_rows += 1
+                report.add_bad(lineno, err)
     finally:
         close()
     out = report.as_dict(accepted_partial=False, rejected=bool(report.bad_line_count or not report.good_rows))
