@@ -148,24 +148,24 @@ def _sync(job, fresh):
     return job
 
 
-def cancel_job(job):
-    """Cancel; running workers stop within ~1 s. Raises models.InvalidTransition when it does not fit."""
+def _transition(job, name):
+    """Apply the model's transition `name` to the locked row, then sync the caller's instance and publish."""
     with transaction.atomic():
         fresh = _locked(job)
-        fresh.cancel()
+        getattr(fresh, name)()
     _sync(job, fresh)
     publish_job_state(job)
     return job
+
+
+def cancel_job(job):
+    """Cancel; running workers stop within ~1 s. Raises models.InvalidTransition when it does not fit."""
+    return _transition(job, "cancel")
 
 
 def pause_job(job):
     """Pause; running workers stop taking new rows within ~1 s, and their chunks go back to pending."""
-    with transaction.atomic():
-        fresh = _locked(job)
-        fresh.pause()
-    _sync(job, fresh)
-    publish_job_state(job)
-    return job
+    return _transition(job, "pause")
 
 
 def resume_job(job, launch=True):
