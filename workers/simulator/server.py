@@ -322,8 +322,9 @@ def _include_usage(body) -> bool:
     return isinstance(so, dict) and bool(so.get("include_usage"))
 
 
-class _ChatFmt:
-    obj = "chat.completion"
+class _Fmt:
+    """What every response format keeps about one request; `id_kind` prefixes its id."""
+    id_kind = ""
 
     def __init__(self, sim: Sim, body, model, n_prompt, tokens):
         self.sim = sim
@@ -331,8 +332,16 @@ class _ChatFmt:
         self.model = model
         self.n_prompt = n_prompt
         self.tokens = tokens
-        self.id = sim.next_id("chatcmpl")
+        self.id = sim.next_id(self.id_kind)
         self.created = int(time.time())
+
+
+class _ChatFmt(_Fmt):
+    obj = "chat.completion"
+    id_kind = "chatcmpl"
+
+    def __init__(self, sim: Sim, body, model, n_prompt, tokens):
+        super().__init__(sim, body, model, n_prompt, tokens)
         self._head = '{"id":"%s","object":"%s.chunk","created":%d,"model":%s,"choices":[{"index":0,' % (
             self.id, self.obj, self.created, _dumps(model))
 
@@ -405,16 +414,12 @@ class _CompletionFmt(_ChatFmt):
         return out
 
 
-class _ResponsesFmt:
+class _ResponsesFmt(_Fmt):
+    id_kind = "resp"
+
     def __init__(self, sim: Sim, body, model, n_prompt, tokens):
-        self.sim = sim
-        self.body = body
-        self.model = model
-        self.n_prompt = n_prompt
-        self.tokens = tokens
-        self.id = sim.next_id("resp")
+        super().__init__(sim, body, model, n_prompt, tokens)
         self.msg_id = sim.next_id("msg")
-        self.created = int(time.time())
         self.seq = 0
 
     def obj(self, req, status=None):
