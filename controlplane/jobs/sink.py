@@ -80,6 +80,17 @@ def _rollout_values(job_id, worker, r: RolloutResult, now):
     }
 
 
+def _insert_columns():
+    """What both insert paths build their SQL from: Rollout's meta, the inserted fields, quote_name,
+    the quoted column list and the quoted ON CONFLICT columns."""
+    meta = Rollout._meta
+    fields = [meta.get_field(name) for name in _INSERT_FIELDS]
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in fields)
+    conflict = ", ".join(qn(meta.get_field(n).column) for n in ("job", "task_index", "rollout_index"))
+    return meta, fields, qn, columns, conflict
+
+
 def insert_rollouts(rows: list[dict]) -> list[str]:
     """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status.
     Returns the statuses of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
@@ -87,11 +98,7 @@ def insert_rollouts(rows: list[dict]) -> list[str]:
         return []
     if connection.vendor == "postgresql":
         return _copy_insert_rollouts(rows)
-    meta = Rollout._meta
-    fields = [meta.get_field(name) for name in _INSERT_FIELDS]
-    qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in fields)
-    conflict = ", ".join(qn(meta.get_field(n).column) for n in ("job", "task_index", "rollout_index"))
+    meta, fields, qn, columns, conflict = _insert_columns()
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
     inserted: list[str] = []
     for start in range(0, len(rows), _SQL_BATCH):
@@ -119,11 +126,7 @@ def _copy_insert_rollouts(rows: list[dict]) -> list[str]:
     if not connection.in_atomic_block:  # the staging rows must live until the INSERT reads them
         with transaction.atomic():
             return _copy_insert_rollouts(rows)
-    meta = Rollout._meta
-    fields = [meta.get_field(name) for name in _INSERT_FIELDS]
-    qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in fields)
-    conflict = ", ".join(qn(meta.get_field(n).column) for n in ("job", "task_index", "rollout_index"))
+    meta, fields, qn, columns, conflict = _insert_columns()
     with connection.cursor() as cursor, connection.wrap_database_errors:
         cursor.execute(f"SET LOCAL client_min_messages TO warning; "
                        f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} ON COMMIT DELETE ROWS AS "
