@@ -68,7 +68,9 @@ def main():
   API docs:    {web}/api/docs/
   Logs:        var/log/    Stop everything: make stop
 """)
-    bar = tqdm(total=job.total_rollouts, desc=f"Demo job {job.pk}", unit="rollout")
+    # In a terminal the bar redraws in place; in a log (no TTY) a line every few seconds is enough.
+    bar = tqdm(total=job.total_rollouts, desc=f"Demo job {job.pk}", unit="rollout",
+               mininterval=0.5 if sys.stderr.isatty() else 5.0)
     while True:
         job.refresh_from_db()
         bar.n = job.done_count
