@@ -73,9 +73,8 @@ def main():
                mininterval=0.5 if sys.stderr.isatty() else 5.0)
     while True:
         job.refresh_from_db()
-        bar.n = job.done_count
-        bar.set_postfix(state=job.state, failed=job.failed_count)
-        bar.refresh()
+        bar.set_postfix(state=job.state, failed=job.failed_count, refresh=False)
+        bar.update(job.done_count - bar.n)  # redraws at most every mininterval
         if job.state in TERMINAL_STATES:
             break
         time.sleep(0.5)
