@@ -411,20 +411,7 @@ class JobRolloutsView(_JobChildList):
     def get_queryset(self):
         job = self.get_job()
         q = _query(s.RolloutQuerySerializer, self.request)
-        qs = Rollout.objects.filter(job=job)
-        if "status" in q:
-            qs = qs.filter(status=q["status"])
-        if "failure_class" in q:
-            qs = qs.filter(failure_class=q["failure_class"])
-        if "reward_min" in q:
-            qs = qs.filter(reward__gte=q["reward_min"])
-        if "reward_max" in q:
-            qs = qs.filter(reward__lte=q["reward_max"])
-        if "wall_ms_min" in q:
-            qs = qs.filter(wall_ms__gte=q["wall_ms_min"])
-        if "wall_ms_max" in q:
-            qs = qs.filter(wall_ms__lte=q["wall_ms_max"])
-        return qs
+        return Rollout.objects.filter(job=job).matching(**q)
 
 
 @extend_schema_view(get=extend_schema(summary="A job's metric time series (samples/s, tokens/s, in flight, errors)",

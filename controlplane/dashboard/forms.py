@@ -121,21 +121,10 @@ class RolloutFilterForm(forms.Form):
         if not self.is_valid():
             return qs
         d = self.cleaned_data
-        if d.get("status"):
-            qs = qs.filter(status=d["status"])
-        if d.get("failure_class"):
-            qs = qs.filter(failure_class=d["failure_class"])
-        if d.get("reward_min") is not None:
-            qs = qs.filter(reward__gte=d["reward_min"])
-        if d.get("reward_max") is not None:
-            qs = qs.filter(reward__lte=d["reward_max"])
-        if d.get("latency_min") is not None:
-            qs = qs.filter(wall_ms__gte=d["latency_min"])
-        if d.get("latency_max") is not None:
-            qs = qs.filter(wall_ms__lte=d["latency_max"])
-        if d.get("task") is not None:
-            qs = qs.filter(task_index=d["task"])
-        return qs
+        return qs.matching(status=d.get("status"), failure_class=d.get("failure_class"),
+                           reward_min=d.get("reward_min"), reward_max=d.get("reward_max"),
+                           wall_ms_min=d.get("latency_min"), wall_ms_max=d.get("latency_max"),
+                           task_index=d.get("task"))
 
     def is_filtered(self):
         return self.is_valid() and any(v not in (None, "") for v in self.cleaned_data.values())

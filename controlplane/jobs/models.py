@@ -171,6 +171,16 @@ class JobChunk(models.Model):
         constraints = [models.UniqueConstraint(fields=["job", "index"], name="uniq_job_chunk_index")]
 
 
+class RolloutQuerySet(models.QuerySet):
+    def matching(self, *, status=None, failure_class=None, reward_min=None, reward_max=None,
+                 wall_ms_min=None, wall_ms_max=None, task_index=None):
+        """The rollout filters the dashboard and the API offer; None or "" means no filter."""
+        exact = {"status": status, "failure_class": failure_class, "task_index": task_index,
+                 "reward__gte": reward_min, "reward__lte": reward_max,
+                 "wall_ms__gte": wall_ms_min, "wall_ms__lte": wall_ms_max}
+        return self.filter(**{k: v for k, v in exact.items() if v not in (None, "")})
+
+
 class Rollout(models.Model):
     """One (task, repeat) of a job: the NeMo Gym output row plus its timings. Unique on
     (job, task_index, rollout_index): resuming never duplicates a row."""
@@ -198,6 +208,8 @@ class Rollout(models.Model):
     weight_version = models.CharField(max_length=100, blank=True)
     worker = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = RolloutQuerySet.as_manager()
 
     class Meta:
         constraints = [
