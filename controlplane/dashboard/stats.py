@@ -3,7 +3,6 @@ stored summaries (job.aggregate_metrics, job.timing_summary) when the job has th
 live estimate over the job's most recent rollouts (labelled as such on the page)."""
 from __future__ import annotations
 
-import math
 import statistics
 
 from django.core.cache import cache
@@ -11,6 +10,7 @@ from django.db import connection
 from django.db.models import Avg, Count
 
 from controlplane.jobs.models import Rollout
+from workers.engine.aggregate import quantile
 
 TIMING_FIELDS = ["queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"]
 PERCENTILES = [50, 90, 99]
@@ -18,14 +18,8 @@ LIVE_SAMPLE = 5000
 
 
 def percentile(sorted_values: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
-    if not sorted_values:
-        return None
-    k = (len(sorted_values) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    if lo == hi:
-        return sorted_values[lo]
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+    """Linear-interpolated percentile (0-100) of an already sorted list; None when it is empty."""
+    return quantile(sorted_values, p / 100.0) if sorted_values else None
 
 
 def _recent_rows(job, fields, n=LIVE_SAMPLE, ok_only=False):
