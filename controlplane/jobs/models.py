@@ -229,7 +229,7 @@ class JobMetricSample(models.Model):
     """A point of a job's time series, written about once a second per worker while it runs."""
 
     job = models.ForeignKey(CollectionJob, on_delete=models.CASCADE, related_name="metric_samples")
-    worker = models.CharField(max_length=200, blank=True)
+    worker = models.CharField(max_length=200, blank=True)  # the run's series: "<worker> chunk <index>"
     t = models.DateTimeField(default=timezone.now)
     elapsed_s = models.FloatField(default=0)
     completed = models.PositiveIntegerField(default=0)  # cumulative, this worker's chunk run

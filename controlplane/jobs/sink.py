@@ -154,6 +154,9 @@ class DbSink:
         self.total = job.total_rollouts
         self.lease_owner = lease_owner
         self.worker_name = worker_name
+        # One metric series per chunk run: a worker may run several chunks of a job at once, and each
+        # series carries its own cumulative counters and its share of the job's parallelism.
+        self.series_name = f"{worker_name} chunk {chunk.index}"[:200]
         self.db = db
         self.on_progress = on_progress
         self.flush_rows = flush_rows or settings.JOBS_FLUSH_ROWS
@@ -323,7 +326,7 @@ class DbSink:
     def _write_sample(self, tick: ProgressTick):
         now = timezone.now()
         JobMetricSample.objects.create(
-            job_id=self.job_id, worker=self.worker_name[:200], t=now, elapsed_s=tick.elapsed_s,
+            job_id=self.job_id, worker=self.series_name, t=now, elapsed_s=tick.elapsed_s,
             completed=max(0, tick.completed), failed=max(0, tick.failed), samples_per_s=tick.samples_per_s,
             output_tokens_per_s=tick.output_tokens_per_s, in_flight=max(0, tick.in_flight),
             parallelism=max(0, tick.parallelism), errors=tick.errors or {}, extra=tick.extra or {},

@@ -28,8 +28,8 @@ def test_running_chunks_share_the_job_budget(user, math_dataset, sim_endpoint):
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_chunks_never_exceed_the_job_parallelism(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(ttft_ms=30, itl_ms=2, max_num_seqs=256)
-    job = services.create_job(owner=user, dataset=math_dataset(120), endpoint=sim_endpoint(sim.url, model=sim.model),
-                              num_samples_in_parallel=8, chunk_size=40, verifier="exact", launch=False,
+    job = services.create_job(owner=user, dataset=math_dataset(360), endpoint=sim_endpoint(sim.url, model=sim.model),
+                              num_samples_in_parallel=8, chunk_size=120, verifier="exact", launch=False,
                               responses_create_params={"max_output_tokens": 24})
     peaks = []
     stop = threading.Event()
@@ -60,8 +60,18 @@ def test_concurrent_chunks_never_exceed_the_job_parallelism(user, math_dataset, 
     watcher.join()
     job.refresh_from_db()
     assert job.state == "completed", job.error_message
-    assert job.completed_count == 120
+    assert job.completed_count == 360
     # Three chunks ran at once; together they stayed within the job's budget of 8. A chunk may
     # overshoot by its in-flight requests for one control poll after a neighbour starts.
     assert max(peaks) > 3, "the chunks did not overlap; the test proves nothing"
     assert max(peaks) <= 8 + 3, peaks
+    # Each chunk run writes its own metric series; the diagnosis adds the overlapping ones back up to
+    # the job's budget instead of reading one chunk's share as the job's parallelism.
+    from controlplane.diagnostics.services import job_ticks
+    from controlplane.jobs.models import JobMetricSample
+    from workers.diagnosis import build_evidence
+
+    series = set(JobMetricSample.objects.filter(job=job).values_list("worker", flat=True))
+    assert {f"t{c.pk} chunk {c.index}" for c in job.chunks.all()} <= series
+    ev = build_evidence(job_ticks(job), config={"parallelism": 8})
+    assert 5 < ev.parallelism <= 9.5, ev.parallelism  # one chunk's share would read 2-4

@@ -175,3 +175,25 @@ def test_slow_verifier_on_the_event_loop_is_verification_not_control_plane():
     d = diagnose(ev)
     assert d.verdict == VERIFICATION
     assert "process pool" in d.recommendations[0].action
+
+
+def _series(name, start, n, in_flight, parallelism):
+    """n one-second ticks of one chunk run, starting at wall-clock second `start`."""
+    return [dict(_tick(float(i + 1), 10 * (i + 1), in_flight=in_flight, parallelism=parallelism),
+                 worker=name, t=float(start + i)) for i in range(n)]
+
+
+def test_concurrent_series_add_up_to_the_job_parallelism():
+    # two chunks of one job on one worker at the same time, each with half of the job's 24
+    ticks = _series("w chunk 0", 1000, 10, 12, 12) + _series("w chunk 1", 1000, 10, 12, 12)
+    ev = build_evidence(ticks, config={"parallelism": 24})
+    assert ev.parallelism == pytest.approx(24)
+    assert ev.in_flight_mean == pytest.approx(24)
+
+
+def test_sequential_series_do_not_add_up():
+    # the same two chunks one after the other: the job never had more than 12 in flight
+    ticks = _series("w chunk 0", 1000, 10, 12, 12) + _series("w chunk 1", 1010, 10, 12, 12)
+    ev = build_evidence(ticks, config={"parallelism": 12})
+    assert ev.parallelism == pytest.approx(12)
+    assert ev.in_flight_mean == pytest.approx(12)

@@ -122,6 +122,16 @@ def _wmean(pairs: Iterable[tuple[float | None, float]]) -> float | None:
     return num / den if den > 0 else None
 
 
+def _stamp(t) -> float | None:
+    """A tick's wall-clock time in seconds (datetime from the database, or a number), else None."""
+    if t is None:
+        return None
+    if isinstance(t, (int, float)):
+        return float(t)
+    ts = getattr(t, "timestamp", None)
+    return ts() if callable(ts) else None
+
+
 def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats: dict | None = None,
                    sweep: dict | None = None) -> Evidence:
     config = config or {}
@@ -141,7 +151,10 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     par_w: list[tuple[float, float]] = []
     throughput = 0.0
     longest = 0.0
-    for g in groups.values():
+    # second -> series -> (in_flight, parallelism): concurrent series (several workers, or several chunks
+    # on one worker) add up to the job's in-flight count and parallelism
+    active_by_second: dict[int, dict[str, tuple[float, float]]] = {}
+    for gid, g in groups.items():
         prev_ok = prev_done = 0
         prev_elapsed = 0.0
         active_time = 0.0
@@ -161,6 +174,9 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
                 per_tick_rps.append(d_ok / dt)
                 in_flight_w.append((t.get("in_flight") or 0, dt))
                 par_w.append((t.get("parallelism") or 0, dt))
+                stamp = _stamp(t.get("t"))
+                if stamp is not None and (t.get("in_flight") or 0) > 0:  # a finished run holds no slots
+                    active_by_second.setdefault(int(stamp), {})[gid] = (t.get("in_flight") or 0, t.get("parallelism") or 0)
             prev_ok, prev_done, prev_elapsed = completed, completed + failed, elapsed
         if active_time > 0:
             throughput += ok_total / active_time
@@ -177,8 +193,14 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
         m = statistics.fmean(steady)
         if m > 0:
             ev.throughput_cv = statistics.pstdev(steady) / m
-    ev.in_flight_mean = _wmean(in_flight_w)
-    ev.parallelism = _wmean(par_w) or (float(config["parallelism"]) if config.get("parallelism") else None)
+    if len(groups) > 1 and active_by_second:
+        seconds = active_by_second.values()
+        ev.in_flight_mean = statistics.fmean(sum(v[0] for v in sec.values()) for sec in seconds)
+        ev.parallelism = statistics.fmean(sum(v[1] for v in sec.values()) for sec in seconds) or None
+    else:
+        ev.in_flight_mean = _wmean(in_flight_w)
+        ev.parallelism = _wmean(par_w)
+    ev.parallelism = ev.parallelism or (float(config["parallelism"]) if config.get("parallelism") else None)
     if ev.in_flight_mean is not None and ev.parallelism:
         ev.slot_utilization = min(1.5, ev.in_flight_mean / ev.parallelism)
 
