@@ -143,7 +143,9 @@ BASE_URL_REGEX = rf"^https?://(?:[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0
 validate_base_url = RegexValidator(BASE_URL_REGEX, "Enter a valid http(s) URL, e.g. http://127.0.0.1:8000")
 
 
-NOT_BLANK = RegexValidator(r"\S", "must contain a non-whitespace character")
+# a visible character, and neither NUL nor lone surrogates (DRF refuses those): the schema says all of it
+NOT_BLANK = RegexValidator(r"^[^\x00\ud800-\udfff]*[^\s\x00\ud800-\udfff][^\x00\ud800-\udfff]*$",
+                           "must contain a visible character, and no NUL or surrogate characters")
 
 
 class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
