@@ -243,9 +243,9 @@ def parse_overrides(tokens: list[str]) -> dict:
         raise ArgError("missing required key(s): " + ", ".join(missing))
     rcp = cfg["responses_create_params"]
     if rcp:
-        from controlplane.datasets.services import _check_optional_params
+        from workers.nemo_jsonl import check_optional_params
 
-        err = _check_optional_params(rcp)
+        err = check_optional_params(rcp)
         if err:
             raise ArgError(f"+{err}")
         if "input" in rcp:
@@ -303,8 +303,8 @@ class Command(BaseCommand):
             self._fail(f"+owner: no such user {cfg['owner']!r}")
 
     def _dataset(self, cfg, owner):
-        from controlplane.datasets.services import (DatasetValidationError, file_sha256, find_by_sha256,
-                                                    format_report, ingest_jsonl)
+        from controlplane.datasets.services import DatasetValidationError, find_by_sha256, ingest_jsonl
+        from workers.nemo_jsonl import file_sha256, format_report
 
         path = cfg["input_jsonl_fpath"]
         if not os.path.isfile(path):
