@@ -377,7 +377,8 @@ class Command(BaseCommand):
 
         from controlplane.jobs.export import write_export
         from controlplane.jobs.models import CollectionJob, JobState
-        from controlplane.jobs.services import create_job, run_job_inline
+        from controlplane.jobs.runtime import run_job_inline
+        from controlplane.jobs.services import create_job
 
         out_path = Path(cfg["output_jsonl_fpath"])
         try:
