@@ -32,6 +32,7 @@ from django.utils import timezone
 from controlplane.endpoints.services import endpoint_spec
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
+from workers.instrument import Instrumentation, instrument_run
 
 from . import services
 from .events import publish_job_state
@@ -84,6 +85,19 @@ def build_spec(job, worker_name="") -> CollectionSpec:
     )
 
 
+def instrumentation(job) -> Instrumentation:
+    """What a run of this job carries: telemetry in every progress tick (stored by the DbSink in
+    JobMetricSample.extra; vLLM's /metrics scraped for vLLM endpoints) and, for `parallelism_auto` jobs, the
+    adaptive controller (settings DIAGNOSTICS_TELEMETRY, DIAGNOSTICS_SCRAPE_INTERVAL_S, DIAGNOSTICS_ADAPTIVE_MAX)."""
+    return Instrumentation(
+        telemetry=getattr(settings, "DIAGNOSTICS_TELEMETRY", True),
+        scrape_vllm=getattr(job.endpoint, "kind", "vllm") == "vllm",
+        scrape_interval_s=float(getattr(settings, "DIAGNOSTICS_SCRAPE_INTERVAL_S", 5.0)),
+        adaptive=bool(job.parallelism_auto),
+        adaptive_max=int(getattr(settings, "DIAGNOSTICS_ADAPTIVE_MAX", 1024)),
+    )
+
+
 def _mark_running(job_id):
     """Queued -> running. Returns the job, or None when it is not runnable (paused, cancelled ...)."""
     with transaction.atomic():
@@ -129,9 +143,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             spec = build_spec(job, worker_name)
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
             control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
-            from controlplane.diagnostics.services import instrument_run  # telemetry + adaptive concurrency
-
-            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(job, spec, sink, control)))
+            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(spec, sink, control, instrumentation(job))))
         finally:
             db.close()
         logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
