@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.jobs.events import job_group  # noqa: F401  (re-exported for tests)
 from tests.factories import make_dataset, make_endpoint, make_job, make_user
 
 

@@ -50,13 +50,11 @@ from workers.verifiers.base import Verifier
 
 from .convert import StreamAccumulator, build_request, convert_answer, response_text
 from .materialize import merge_overrides
-from .pacing import TokenBucket, backoff_delay, parse_retry_after  # noqa: F401  (parse_retry_after: re-exported)
+from .pacing import TokenBucket, backoff_delay, parse_retry_after
 from .types import (
     CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
 )
-from .verify_pool import (  # noqa: F401  (get_verify_pool, shutdown_verify_pool: re-exported)
-    SHARED_VERIFY_POOL, RemoteVerifierError, VerifyBatcher, VerifyPool, get_verify_pool, shutdown_verify_pool,
-)
+from .verify_pool import SHARED_VERIFY_POOL, RemoteVerifierError, VerifyBatcher, VerifyPool
 
 log = logging.getLogger(__name__)
 
