@@ -11,8 +11,8 @@ from django.db.models import Avg, Count
 
 from controlplane.jobs.models import Rollout
 from workers.engine.aggregate import quantile
+from workers.engine.types import TIMING_FIELDS
 
-TIMING_FIELDS = ["queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"]
 PERCENTILES = [50, 90, 99]
 LIVE_SAMPLE = 5000
 
