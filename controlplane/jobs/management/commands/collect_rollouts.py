@@ -378,7 +378,7 @@ class Command(BaseCommand):
         from controlplane.jobs.export import write_export
         from controlplane.jobs.models import CollectionJob, JobState
         from controlplane.jobs.runtime import run_job_inline
-        from controlplane.jobs.services import create_job
+        from controlplane.jobs.services import get_or_create_job
 
         out_path = Path(cfg["output_jsonl_fpath"])
         try:
@@ -397,9 +397,8 @@ class Command(BaseCommand):
         from django.core.exceptions import ValidationError
 
         name = cfg["name"] or cfg["agent_name"] or Path(cfg["input_jsonl_fpath"]).stem
-        existed = CollectionJob.objects.filter(owner=owner, idempotency_key=key).first()
         try:
-            job = existed or create_job(
+            job, created = get_or_create_job(
                 owner=owner, dataset=dataset, endpoint=endpoint, limit=cfg["limit"], num_repeats=cfg["num_repeats"],
                 num_samples_in_parallel=cfg["num_samples_in_parallel"],
                 responses_create_params=cfg["responses_create_params"], verifier=cfg["verifier"],
@@ -408,7 +407,7 @@ class Command(BaseCommand):
             )
         except ValidationError as exc:
             self._fail(f"invalid job: {'; '.join(f'{k}: {v}' for k, v in exc.message_dict.items())}")
-        if existed:
+        if not created:
             self.stderr.write(f"Job {job.pk}: resuming ({job.state}, {job.done_count}/{job.total_rollouts} rollouts already stored)"
                               if job.state != JobState.COMPLETED else
                               f"Job {job.pk}: already completed ({job.done_count}/{job.total_rollouts}); writing its output")
