@@ -20,6 +20,7 @@ from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState,
 
 from . import compare as compare_mod
 from . import heartbeat, live, panels, stats
+from .excerpts import attach_excerpts
 from .forms import DatasetUploadForm, EndpointForm, LaunchJobForm, RolloutFilterForm
 from .pagination import keyset_page
 
@@ -154,6 +155,7 @@ def rollouts(request, job_id):
     after, before = _int_or_none(request.GET.get("after")), _int_or_none(request.GET.get("before"))
     size = _int_or_none(request.GET.get("size")) or 50
     page = keyset_page(qs, after=after, before=before, size=size)
+    attach_excerpts(page.rows, Rollout.objects.filter(job=job))
     page_no = _int_or_none(request.GET.get("page")) or 1
     params = request.GET.copy()
     for k in ("after", "before", "page"):
