@@ -97,6 +97,13 @@ def test_rejected_input_prints_bad_lines(tmp_path, capsys):
         call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
                      "+model_base_url=http://127.0.0.1:9", "+model_name=m")
     assert "line 2: not valid JSON" in capsys.readouterr().err
+    p.write_text('{oops\n["a list"]\n')  # no valid line at all: keeping the good ones would not help
+    with pytest.raises(CommandError) as ei:
+        call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
+                     "+model_base_url=http://127.0.0.1:9", "+model_name=m")
+    assert str(ei.value) == f"+input_jsonl_fpath {p}: the file has no valid rows"
+    err = capsys.readouterr().err
+    assert "line 1: not valid JSON" in err and "line 2: a line must be a JSON object, got array" in err
 
 
 # --- end to end ---------------------------------------------------------------------------------

@@ -318,8 +318,9 @@ class Command(BaseCommand):
             ds = ingest_jsonl(path, name=os.path.basename(path), owner=owner, accept_partial=cfg["accept_partial"])
         except DatasetValidationError as exc:
             self.stderr.write(format_report(exc.report, max_lines=200))
-            hint = "" if cfg["accept_partial"] else " (+accept_partial=true keeps only the good lines)"
-            self._fail(f"input {path} {exc.message}{hint}")
+            some_good = exc.report.get("good_rows", 0) > 0
+            hint = "" if cfg["accept_partial"] or not some_good else " (+accept_partial=true keeps only the good lines)"
+            self._fail(f"+input_jsonl_fpath {path}: {exc.message}{hint}")
         note = f", {ds.bad_line_count} bad line(s) skipped" if ds.bad_line_count else ""
         self.stderr.write(f"Input: dataset {ds.pk} '{ds.name}' loaded ({ds.row_count} rows{note}, sha256 {sha[:12]})")
         if ds.bad_line_count:
