@@ -679,12 +679,7 @@ async def run_collection(
     return await run.run(tasks)
 
 
-def run_collection_sync(
-    spec: CollectionSpec,
-    tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
-    sink: Sink,
-    control: Control | None = None,
-    verify_pool: VerifyPool | None = None,
-) -> RunSummary:
-    """`run_collection` in a fresh event loop (for threads, Celery tasks and scripts)."""
-    return asyncio.run(run_collection(spec, tasks, sink, control, verify_pool))
+def run_collection_sync(*args, **kwargs) -> RunSummary:
+    """`run_collection(spec, tasks, sink, control=None, verify_pool=None)` in a fresh event loop (for threads,
+    Celery tasks and scripts)."""
+    return asyncio.run(run_collection(*args, **kwargs))
