@@ -106,6 +106,11 @@ STORAGES = {
 WHITENOISE_USE_FINDERS = True
 MEDIA_ROOT = env("MEDIA_ROOT", default=str(VAR_DIR / "media"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
+# Request bodies, refused (413) before any parsing by controlplane.bodylimit: every request, and the
+# dataset upload routes for a request with credentials.
+REQUEST_MAX_BODY_BYTES = env.int("REQUEST_MAX_BODY_BYTES", default=1024 * 1024)
+UPLOAD_MAX_BODY_BYTES = env.int("UPLOAD_MAX_BODY_BYTES", default=1024 * 1024 * 1024)
+UPLOAD_PATHS = ["/api/datasets/", "/datasets/upload/"]
 # Uploaded files above this size are spooled to disk, never held whole in memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
 
