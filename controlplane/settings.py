@@ -148,6 +148,23 @@ JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.
 JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
 
+# --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
+# Model-server hosts users may register: "*" (anything) on a laptop, a list in production
+# ("vllm", ".gpu.internal" for a domain and its subdomains). Link-local and cloud-metadata addresses
+# are always refused; redirects are never followed.
+ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["*"])
+ENDPOINT_MAX_REQUEST_TIMEOUT_S = env.float("ENDPOINT_MAX_REQUEST_TIMEOUT_S", default=3600.0)
+ENDPOINT_MAX_CONNECT_TIMEOUT_S = env.float("ENDPOINT_MAX_CONNECT_TIMEOUT_S", default=300.0)
+ENDPOINT_MAX_RETRIES = env.int("ENDPOINT_MAX_RETRIES", default=20)
+JOBS_MAX_PARALLELISM = env.int("JOBS_MAX_PARALLELISM", default=4096)
+JOBS_MAX_NUM_REPEATS = env.int("JOBS_MAX_NUM_REPEATS", default=10000)
+JOBS_MAX_CHUNK_SIZE = env.int("JOBS_MAX_CHUNK_SIZE", default=1_000_000)
+# Per user, over queued and running jobs.
+JOBS_MAX_ACTIVE_PER_USER = env.int("JOBS_MAX_ACTIVE_PER_USER", default=20)
+JOBS_MAX_PARALLELISM_PER_USER = env.int("JOBS_MAX_PARALLELISM_PER_USER", default=8192)
+# A model response larger than this is a failed attempt (bad_response), never read whole.
+ENGINE_MAX_RESPONSE_BYTES = env.int("ENGINE_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
+
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",

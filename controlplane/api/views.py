@@ -43,7 +43,8 @@ def errors(*codes):
         else:
             out[code] = OpenApiResponse(s.ErrorSerializer, description={
                 401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
-                409: "Conflicts with the object's current state", 429: "Throttled"}.get(code, ""))
+                409: "Conflicts with the object's current state", 429: "Throttled",
+                503: "Temporarily unavailable (the task queue is down)"}.get(code, ""))
     return out
 
 
@@ -210,27 +211,31 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
             raise Conflict(f"endpoint {instance.pk} is used by {n} job(s); delete those jobs first")
         instance.delete()
 
-    @extend_schema(summary="Check the endpoint's health now", request=None,
-                   responses={200: s.EndpointHealthSerializer, **errors(*READ_ERRORS)})
+    def _enqueue(self, kind):
+        from controlplane.endpoints.tasks import enqueue
+
+        endpoint = self.get_object()
+        try:
+            enqueue(kind, endpoint)
+        except Exception as exc:  # noqa: BLE001 - broker down: nothing was sent
+            log.warning("could not enqueue %s of endpoint %s: %s", kind, endpoint.pk, exc)
+            return Response({"detail": "The task queue is unavailable; try again shortly.", "code": "unavailable"},
+                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return Response({"endpoint": endpoint.pk, "queued": kind, "last_health": endpoint.last_health,
+                         "last_health_at": endpoint.last_health_at, "last_prewarm": endpoint.last_prewarm},
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(summary="Check the endpoint's health (in a worker; the result lands in last_health)",
+                   request=None, responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def health(self, request, pk=None):
-        from controlplane.endpoints.services import check_health
+        return self._enqueue("health")
 
-        endpoint = self.get_object()
-        result = check_health(endpoint)
-        endpoint.refresh_from_db(fields=["last_health", "last_health_at"])
-        health = result if isinstance(result, dict) else (endpoint.last_health or {"result": result})
-        return Response({"endpoint": endpoint.pk, "health": health, "checked_at": endpoint.last_health_at})
-
-    @extend_schema(summary="Pre-warm the endpoint (a few tiny requests per replica)", request=None,
-                   responses={200: s.EndpointPrewarmSerializer, **errors(*READ_ERRORS)})
+    @extend_schema(summary="Pre-warm the endpoint (in a worker; the result lands in last_prewarm)", request=None,
+                   responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
-        from controlplane.endpoints.services import prewarm
-
-        endpoint = self.get_object()
-        result = prewarm(endpoint)
-        return Response({"endpoint": endpoint.pk, "result": result if result is not None else {}})
+        return self._enqueue("prewarm")
 
 
 # ---------------------------------------------------------------------------------------------- jobs

@@ -51,6 +51,11 @@ class EndpointForm(forms.ModelForm):
         v = forms.URLField(assume_scheme="http")
         return [v.clean(u) for u in urls]
 
+    def clean(self):
+        # The model's clean() (operator limits, allowed hosts) then checks the replicas too.
+        self.instance.replica_urls = self.cleaned_data.get("replica_urls_text") or []
+        return super().clean()
+
 
 class LaunchJobForm(forms.Form):
     name = forms.CharField(max_length=200, required=False)

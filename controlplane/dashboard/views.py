@@ -8,6 +8,7 @@ from datetime import timedelta
 
 from django.contrib import messages
 from django.core.exceptions import ValidationError
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -324,15 +325,17 @@ def endpoints(request):
 @require_POST
 def endpoint_health(request, endpoint_id):
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
-    try:
-        from controlplane.endpoints.services import check_health
+    from controlplane.endpoints.tasks import enqueue
 
-        check_health(ep)
-    except ImportError:
-        messages.error(request, "health checks are not available yet")
-    except Exception as e:  # noqa: BLE001 - show the reason, the page stays up
-        messages.error(request, f"health check failed: {e}")
-    return redirect(request.POST.get("next") or "dashboard:endpoints")
+    try:
+        enqueue("health", ep)  # a worker calls the server; the result shows on the page when done
+        messages.info(request, f"health check of {ep.name} queued; reload to see the result")
+    except Exception:  # noqa: BLE001 - broker down: say so, the page stays up
+        messages.error(request, "the task queue is unavailable; try again shortly")
+    nxt = request.POST.get("next") or ""
+    if not url_has_allowed_host_and_scheme(nxt, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
+        nxt = "dashboard:endpoints"  # only a page of this site
+    return redirect(nxt)
 
 
 # --- Compare ----------------------------------------------------------------------------------

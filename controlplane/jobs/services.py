@@ -58,6 +58,10 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
         errors["responses_create_params"] = "must be an object"
     if not isinstance(verifier_options, dict):
         errors["verifier_options"] = "must be an object"
+    from controlplane import limits  # operator bounds, shared with every way in
+
+    errors.update(limits.job_errors(limit=limit, num_repeats=num_repeats,
+                                    num_samples_in_parallel=num_samples_in_parallel, chunk_size=chunk_size))
     if errors:
         raise ValidationError(errors)
 
@@ -77,6 +81,10 @@ def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_sampl
     _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
               chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
               responses_create_params=responses_create_params, verifier_options=verifier_options)
+    from controlplane.limits import quota_errors
+
+    if quota := quota_errors(owner, num_samples_in_parallel):
+        raise ValidationError(quota)
 
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
     try:
