@@ -367,8 +367,8 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     def export(self, request, pk=None):
         job = self.get_object()
         which = _query(s.ExportQuerySerializer, request)["which"]
-        from controlplane.jobs.export import iter_export_lines
-        response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
+        from controlplane.jobs.export import iter_export_lines, streamed_for
+        response = StreamingHttpResponse(streamed_for(request, _encode_lines(iter_export_lines(job, which=which))),
                                          content_type=f"{NDJSON}; charset=utf-8")
         suffix = {"ok": "", "failed": "_failures", "all": "_all"}[which]
         response["Content-Disposition"] = f'attachment; filename="job-{job.pk}{suffix}.jsonl"'
