@@ -117,7 +117,8 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
             fileobj = request.data.get("file") or io.BytesIO(b"")  # an empty body has no stream
             source_filename = ""
         else:
-            data = request.data.copy() if hasattr(request.data, "copy") else dict(request.data)
+            # A plain dict of the parts: QueryDict.copy() deep-copies, which a spooled upload cannot survive.
+            data = {key: request.data.get(key) for key in request.data.keys()}
             for key, value in request.query_params.items():  # query fallbacks for the form fields
                 data.setdefault(key, value)
             ser = s.DatasetUploadSerializer(data=data)

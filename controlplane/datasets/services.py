@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 from django.db import connection, transaction
 
 from .models import Dataset, DatasetRow
+from .task_index import TaskIndexTracker
 
 INSERT_BATCH_ROWS = 1000
 READ_CHUNK_BYTES = 1 << 20  # 1 MiB
@@ -261,8 +262,8 @@ def validate_row(row: Any) -> str | None:
     if ar is not None and not isinstance(ar, dict):
         return f"'agent_ref' must be an object, got {_type_name(ar)}"
     ti = row.get("_ng_task_index")
-    if ti is not None and not (_is_int(ti) and ti >= 0):
-        return "'_ng_task_index' must be a non-negative integer"
+    if ti is not None and not (_is_int(ti) and 0 <= ti < 2**31):
+        return "'_ng_task_index' must be an integer from 0 to 2147483647"
     return None
 
 
@@ -515,8 +516,10 @@ def ingest_jsonl(
     writer = _RowWriter(dataset, batch_rows)
     inserting = True  # stop inserting at the first bad line unless accept_partial
     chunks, close = _iter_chunks(fileobj_or_path)
+    indices = TaskIndexTracker()
     try:
         for lineno, row, text, err in _classify_lines(chunks, stats, report):
+            err = err or indices.check(row, report.good_rows, lineno)
             if err is None:
                 if inserting:
                     writer.add(report.good_rows, lineno, row, text)
@@ -575,8 +578,10 @@ def validate_jsonl(fileobj_or_path) -> dict:
     """Validate without storing anything; returns the report (plus sha256 and size_bytes)."""
     report, stats = _Report(), _StreamStats()
     chunks, close = _iter_chunks(fileobj_or_path)
+    indices = TaskIndexTracker()
     try:
         for lineno, _row, _text, err in _classify_lines(chunks, stats, report):
+            err = err or indices.check(_row, report.good_rows, lineno)
             if err is None:
                 report.good_rows += 1
             else:
