@@ -181,6 +181,9 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON with a bound on nesting (a 400, not a RecursionError).
+    "DEFAULT_PARSER_CLASSES": ["controlplane.api.parsers.JSONParser", "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
     "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.UserRateThrottle"],

@@ -15,7 +15,7 @@ from rest_framework import generics, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.parsers import MultiPartParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -26,7 +26,7 @@ from controlplane.jobs.models import CollectionJob, JobMetricSample, Rollout
 from . import serializers as s
 from .exceptions import Conflict, api_exception_handler
 from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
-from .parsers import JSONLinesParser, NDJSONParser, NDJSONRenderer
+from .parsers import JSONLinesParser, JSONParser, NDJSONParser, NDJSONRenderer
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,11 @@ class JSONDictField(forms.CharField):
         value = (value or "").strip()
         if not value:
             return {}
+        from controlplane.jsonsafe import loads
+
         try:
-            obj = json.loads(value)
-        except json.JSONDecodeError as e:
+            obj = loads(value)
+        except ValueError as e:  # JSONDecodeError, or nested too deeply
             raise forms.ValidationError(f"not valid JSON: {e}") from e
         if not isinstance(obj, dict):
             raise forms.ValidationError("must be a JSON object")

@@ -131,7 +131,8 @@ def dispatch_chunks(job, chunk_ids=None):
         for chunk_id in ids:
             run_chunk_task.delay(chunk_id)
 
-    transaction.on_commit(send)
+    # robust: a broker outage is logged, not raised after the job was committed; the watchdog re-sends.
+    transaction.on_commit(send, robust=True)
     return ids
 
 
