@@ -58,7 +58,7 @@ def test_multipart_upload_over_the_in_memory_limit(api, settings):
 
 
 def test_tracker_finds_repeats_among_far_apart_and_dense_indices():
-    from controlplane.datasets.task_index import TaskIndexTracker
+    from workers.task_index import TaskIndexTracker
 
     t = TaskIndexTracker()
     seen = [t.check({"_ng_task_index": i}, pos, pos + 1) for pos, i in enumerate([10**9, 5000, *range(3000), 5000])]
