@@ -15,7 +15,9 @@ env = environ.Env()
 if (BASE_DIR / ".env").exists():
     environ.Env.read_env(BASE_DIR / ".env")
 
-SECRET_KEY = env("DJANGO_SECRET_KEY", default="insecure-laptop-default-change-me-in-production")
+# The laptop default is published: controlplane.settings_production refuses to start with it.
+INSECURE_DEFAULT_SECRET_KEY = "insecure-laptop-default-change-me-in-production"
+SECRET_KEY = env("DJANGO_SECRET_KEY", default=INSECURE_DEFAULT_SECRET_KEY)
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
@@ -32,6 +34,8 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # the API docs' scripts, served from here (no CDN)
+    "axes",  # failed-login lockout
     "controlplane.datasets",
     "controlplane.endpoints",
     "controlplane.jobs",
@@ -49,7 +53,39 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a locked-out login into its 429 page
 ]
+
+# --- Logins: django-axes locks a username + address out after repeated failures (the login pages, the
+# admin and POST /api/auth/token/ alike). The address is the real client's (see WEB_TRUSTED_PROXIES).
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=10)
+AXES_COOLOFF_TIME = env.float("AXES_COOLOFF_HOURS", default=0.25)  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+# Proxies in front of the web server that append to X-Forwarded-For (0: the peer address is the client;
+# docker/compose.yml: 1, Caddy). A client-supplied X-Forwarded-For is never trusted beyond that.
+WEB_TRUSTED_PROXIES = env.int("WEB_TRUSTED_PROXIES", default=0)
+AXES_IPWARE_PROXY_COUNT = WEB_TRUSTED_PROXIES or None
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["HTTP_X_FORWARDED_FOR", "REMOTE_ADDR"] if WEB_TRUSTED_PROXIES else ["REMOTE_ADDR"]
+
+# --- Security headers: CSP (django-csp); nosniff, same-origin referrers and DENY framing are Django's
+# defaults. Scripts and styles come from this site only (inline styles are used by the dashboard).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "font-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -187,6 +223,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
     "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.UserRateThrottle"],
+    # Throttles key anonymous requests on the real client address: X-Forwarded-For only as far as the
+    # trusted proxies go (DRF's default, None, would take the client-supplied header as is).
+    "NUM_PROXIES": WEB_TRUSTED_PROXIES,
     "DEFAULT_THROTTLE_RATES": {
         "user": env("API_THROTTLE_USER_RATE", default="1200/min"),
         "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
@@ -197,6 +236,12 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Datasets, model endpoints and rollout collection jobs.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI and Redoc from drf-spectacular-sidecar (pinned, served locally), not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
+                            "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status"},
 }
 
 LOGGING = {
