@@ -17,6 +17,9 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.db.models import Sum
+
+from controlplane.jobs.models import CollectionJob, JobState
 
 # Cloud metadata services (AWS/GCP/Azure/OpenStack: 169.254.169.254, link-local anyway; AWS IPv6,
 # Alibaba, Oracle) and the names they answer to.
@@ -124,10 +127,6 @@ def job_errors(*, limit, num_repeats, num_samples_in_parallel, chunk_size) -> di
 
 def quota_errors(owner, num_samples_in_parallel) -> dict[str, str]:
     """Per-user quotas over the user's queued and running jobs (paused ones hold no workers)."""
-    from django.db.models import Sum
-
-    from controlplane.jobs.models import CollectionJob, JobState
-
     if owner is None or getattr(owner, "pk", None) is None:
         return {}
     active = CollectionJob.objects.filter(owner=owner, state__in=[JobState.QUEUED, JobState.RUNNING])

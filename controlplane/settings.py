@@ -3,12 +3,13 @@
 Laptop defaults: a SQLite file under var/, Redis on localhost. Production: set DATABASE_URL
 (PostgreSQL), REDIS_URL, DJANGO_SECRET_KEY, DJANGO_ALLOWED_HOSTS and DJANGO_DEBUG=false.
 """
+import os
 from pathlib import Path
 
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = BASE_DIR / "var"
+VAR_DIR = Path(os.environ.get("CONTROLPLANE_VAR_DIR") or BASE_DIR / "var")  # the embedded database, logs, ...
 VAR_DIR.mkdir(exist_ok=True)
 
 env = environ.Env()
@@ -18,6 +19,7 @@ if (BASE_DIR / ".env").exists():
 # The laptop default is published: controlplane.settings_production refuses to start with it.
 INSECURE_DEFAULT_SECRET_KEY = "insecure-laptop-default-change-me-in-production"
 SECRET_KEY = env("DJANGO_SECRET_KEY", default=INSECURE_DEFAULT_SECRET_KEY)
+REQUIRE_STRONG_SECRET_KEY = False  # production settings: True
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])

@@ -6,6 +6,8 @@ from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 
+from controlplane.jsonsafe import TooDeep, check_depth
+
 
 class RawBodyStream:
     """A binary file-like view of the request body. Iterating yields lines (bytes) as they arrive."""
@@ -67,8 +69,6 @@ class JSONParser(parsers.JSONParser):
     """DRF's JSON parser with a bound on nesting: too deep is a 400, never a RecursionError (500)."""
 
     def parse(self, stream, media_type=None, parser_context=None):
-        from controlplane.jsonsafe import TooDeep, check_depth
-
         try:
             data = super().parse(stream, media_type, parser_context)
         except RecursionError:

@@ -6,6 +6,7 @@ import json
 from django import forms
 
 from controlplane.endpoints.models import Endpoint
+from controlplane.jsonsafe import loads as json_loads_bounded
 from controlplane.jobs.models import CollectionJob
 
 FAILURE_CLASSES = ["http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response",
@@ -19,10 +20,8 @@ class JSONDictField(forms.CharField):
         value = (value or "").strip()
         if not value:
             return {}
-        from controlplane.jsonsafe import loads
-
         try:
-            obj = loads(value)
+            obj = json_loads_bounded(value)
         except ValueError as e:  # JSONDecodeError, or nested too deeply
             raise forms.ValidationError(f"not valid JSON: {e}") from e
         if not isinstance(obj, dict):

@@ -9,6 +9,7 @@ from datetime import timedelta
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.utils.http import url_has_allowed_host_and_scheme
+from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -17,10 +18,12 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
+from controlplane.datasets.services import DatasetValidationError, ingest_jsonl, preview_rows
 from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
 
 from . import compare as compare_mod
 from . import heartbeat, live, panels, stats
+from .excerpts import attach_excerpts
 from .forms import DatasetUploadForm, EndpointForm, LaunchJobForm, RolloutFilterForm
 from .pagination import keyset_page
 
@@ -135,6 +138,7 @@ def job_action(request, job_id, action):
 
 
 # --- Rollouts ---------------------------------------------------------------------------------
+PREVIEW_ROW_CHARS = 4000
 LIST_FIELDS = ["id", "job_id", "task_index", "rollout_index", "status", "failure_class", "reward", "wall_ms",
                "ttft_ms", "output_tokens", "attempts", "created_at"]
 
@@ -169,6 +173,7 @@ def rollouts(request, job_id):
     before = _int_or_none(request.GET.get("before"), lo=0, hi=2**63 - 1)
     size = _int_or_none(request.GET.get("size")) or 50
     page = keyset_page(qs, after=after, before=before, size=size)
+    attach_excerpts(page.rows, Rollout.objects.filter(job=job))
     page_no = _int_or_none(request.GET.get("page")) or 1
     params = request.GET.copy()
     for k in ("after", "before", "page"):
@@ -197,7 +202,8 @@ def rollout_detail(request, rollout_id):
     if isinstance(inp, str):
         messages_in = [{"role": "user", "content": inp}]
     elif isinstance(inp, list):
-        messages_in = [m if isinstance(m, dict) else {"role": "?", "content": m} for m in inp]
+        # copies: the display keys set below must not leak into the raw JSON shown further down
+        messages_in = [dict(m) if isinstance(m, dict) else {"role": "?", "content": m} for m in inp]
     else:
         messages_in = []
     for m in messages_in:
@@ -257,8 +263,6 @@ def dataset_upload(request):
         if _wants_json(request):
             return JsonResponse({"ok": False, "message": "invalid form", "errors": form.errors}, status=400)
         return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form}, status=400)
-    from controlplane.datasets.services import DatasetValidationError, ingest_jsonl
-
     f = form.cleaned_data["file"]
     name = form.cleaned_data.get("name") or f.name.rsplit(".", 1)[0]
     try:
@@ -301,14 +305,13 @@ def dataset_detail(request, dataset_id):
                 return redirect("dashboard:job", job_id=job.pk)
     else:
         form = LaunchJobForm(endpoints=endpoints, initial={"endpoint": endpoints.first()})
-    try:
-        from controlplane.datasets.services import preview_rows
-
-        preview = preview_rows(ds, 10)
-    except ImportError:
-        preview = []
+    preview = preview_rows(ds, 10)
     for p in preview:
-        p["json"] = json.dumps(p["data"], ensure_ascii=False, indent=1)
+        text = json.dumps(p["data"], ensure_ascii=False, indent=1)
+        if len(text) > PREVIEW_ROW_CHARS:  # a multi-megabyte row would make the page unusable
+            text = (text[:PREVIEW_ROW_CHARS] + f"\n… {len(text) - PREVIEW_ROW_CHARS:,} more characters "
+                    "(the whole row is in the export and the API)")
+        p["json"] = text
     report = ds.validation_report or {}
     return render(request, "dashboard/dataset_detail.html", {
         "ds": ds, "preview": preview, "report": report, "form": form,
@@ -337,10 +340,8 @@ def endpoints(request):
 @require_POST
 def endpoint_health(request, endpoint_id):
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
-    from controlplane.endpoints.tasks import enqueue
-
     try:
-        enqueue("health", ep)  # a worker calls the server; the result shows on the page when done
+        enqueue_endpoint_task("health", ep)  # a worker calls the server; the result shows on the page when done
         messages.info(request, f"health check of {ep.name} queued; reload to see the result")
     except Exception:  # noqa: BLE001 - broker down: say so, the page stays up
         messages.error(request, "the task queue is unavailable; try again shortly")

@@ -6,6 +6,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from .models import Endpoint
+from .tasks import enqueue
 
 
 class EndpointAdminForm(forms.ModelForm):
@@ -77,8 +78,6 @@ class EndpointAdmin(admin.ModelAdmin):
 
     def _enqueue(self, request, queryset, kind, cap):
         # A worker calls the servers (never the web process); results land in last_health / last_prewarm.
-        from .tasks import enqueue
-
         try:
             for ep in queryset[:cap]:
                 enqueue(kind, ep)

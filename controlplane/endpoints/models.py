@@ -1,6 +1,9 @@
 """Model endpoints: vLLM or any OpenAI-compatible server, with one or several replicas."""
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from controlplane.limits import endpoint_errors
 
 
 class Endpoint(models.Model):
@@ -38,10 +41,6 @@ class Endpoint(models.Model):
         return f"{self.name} ({self.model_name} @ {self.base_url})"
 
     def clean(self):
-        from django.core.exceptions import ValidationError
-
-        from controlplane.limits import endpoint_errors
-
         errors = endpoint_errors({f: getattr(self, f) for f in ("base_url", "replica_urls", "request_timeout_s",
                                                                  "connect_timeout_s", "max_retries")})
         if errors:

@@ -21,6 +21,8 @@ import requests
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.limits import url_problem
+
 from workers.engine.types import EndpointSpec
 
 HEALTH_TIMEOUT_S = 5.0
@@ -94,6 +96,21 @@ def _headers(endpoint) -> dict:
     return h
 
 
+def served_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
+    """The model ids a server lists at /v1/models. Raises ValueError with a short reason when it cannot say."""
+    headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    try:
+        r = requests.get(normalize_base_url(base_url) + "/v1/models", headers=headers, timeout=(min(timeout, 5.0), timeout))
+    except requests.RequestException as exc:
+        raise ValueError(_short_error(exc)) from exc
+    if r.status_code != 200:
+        raise ValueError(f"/v1/models answered HTTP {r.status_code}")
+    try:
+        return [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (ValueError, AttributeError) as exc:
+        raise ValueError("/v1/models did not answer a model list") from exc
+
+
 def _short_error(exc: BaseException) -> str:
     if isinstance(exc, requests.exceptions.ConnectTimeout):
         return "connect timeout"
@@ -114,8 +131,6 @@ def _check_one(endpoint, base: str, timeout: float) -> dict:
     Hosted APIs (kind openai) have no /health: only /v1/models."""
     base = normalize_base_url(base)
     out: dict[str, Any] = {"url": base, "ok": False}
-    from controlplane.limits import url_problem
-
     if why := url_problem(base):
         out["error"] = f"not called: {why}"
         return out
@@ -217,8 +232,6 @@ def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
     rollouts do not pay for cold caches, lazy compilation or connection setup.
     Returns {"ok", "sent", "succeeded", "latencies_ms": [...], "errors": [...]}; never raises on
     network errors."""
-    from controlplane.limits import url_problem
-
     path, body = _tiny_request(endpoint)
     urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
     refused = [f"{u}: not called: {why}" for u in urls if (why := url_problem(u))]

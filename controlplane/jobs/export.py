@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from django.db import connection
+from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIRequest
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
@@ -83,8 +85,6 @@ def aiter_sync(iterator: Iterator) -> AsyncIterator:
 
     Under ASGI, Django serves a *sync* StreamingHttpResponse iterator by listing it whole first; this
     one is consumed chunk by chunk as the client reads."""
-    from asgiref.sync import sync_to_async
-
     step = sync_to_async(next, thread_sensitive=True)
     done = object()
 
@@ -106,8 +106,6 @@ def aiter_sync(iterator: Iterator) -> AsyncIterator:
 def streamed_for(request, iterator: Iterator):
     """The body iterator a StreamingHttpResponse should get for this request: async under ASGI (so it is
     streamed, not listed first), the sync iterator itself under WSGI or the test client."""
-    from django.core.handlers.asgi import ASGIRequest
-
     if isinstance(getattr(request, "_request", request), ASGIRequest):
         return aiter_sync(iterator)
     return iterator
