@@ -456,10 +456,14 @@ class _Run:
         flavor = self.ep.api_flavor
         t_sent = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout) as resp:
+            cap = self.ep.max_response_bytes
+            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout,
+                                         allow_redirects=False) as resp:
                 status = resp.status
+                if (resp.content_length or 0) > cap:
+                    raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
                 if status != 200:
-                    text = (await resp.text(errors="replace"))[:300]
+                    text = (await resp.content.read(4096)).decode("utf-8", "replace")[:300]
                     retry_after = parse_retry_after(resp.headers.get("Retry-After"))
                     if status == 429:
                         raise _AttemptError(FailureClass.HTTP_429, f"HTTP 429 from {url}: {text}", True, retry_after)
@@ -478,7 +482,11 @@ class _Run:
                     t_first = t_last = None
                     buf = b""
                     done = False
+                    seen = 0
                     async for chunk in resp.content.iter_any():
+                        seen += len(chunk)
+                        if seen > cap:
+                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
                         buf += chunk
                         if b"\n" not in chunk:
                             continue
@@ -510,7 +518,12 @@ class _Run:
                     result.ttft_ms = ((t_first or now) - t_sent) * 1000.0
                     result.generation_ms = ((t_last or now) - (t_first or now)) * 1000.0
                 else:
-                    payload = json.loads(await resp.read())
+                    raw = bytearray()
+                    async for chunk in resp.content.iter_chunked(1 << 16):
+                        raw += chunk
+                        if len(raw) > cap:
+                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
+                    payload = json.loads(raw)
                     if isinstance(payload, dict) and payload.get("weight_version") and not result.weight_version:
                         result.weight_version = str(payload["weight_version"])
                     response = convert_answer(flavor, payload)
