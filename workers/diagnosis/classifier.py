@@ -122,6 +122,8 @@ class Diagnosis:
     scores: dict[str, float] = field(default_factory=dict)
     label: str = ""
     subtype: str = ""  # e.g. "server_saturated" / "client_parallelism" for model-bound
+    server_slots: int | None = None  # requests the model server runs at once, all replicas (None: unknown)
+    server_slots_bound: str = ""  # where that figure comes from
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -293,7 +295,8 @@ def diagnose(ev: Evidence) -> Diagnosis:
     if verdict == MODEL:
         subtype = "server_saturated" if saturated else ("client_parallelism" if ev.vllm_scrapes or ev.gpu_count else "model_latency")
     diag = Diagnosis(verdict=verdict, confidence=confidence, summary="", evidence_items=r.items,
-                     scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype)
+                     scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype,
+                     server_slots=ev.server_slots, server_slots_bound=ev.server_slots_bound)
     diag.recommendations = _recommendations(verdict, subtype, ev, sweep_ratio)
     diag.conditions = _conditions(ev)
     diag.summary = _summary(diag, ev)
