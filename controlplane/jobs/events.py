@@ -9,20 +9,24 @@ One builder (`progress_payload`), fed by `live_figures`: the live numbers of eve
 worker) summed from their stored samples, so the live stream and a reload show the same job-wide figures.
 State changes publish the same message type with fresh counts.
 """
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.utils import timezone
+
+from .models import JobMetricSample
+
+logger = logging.getLogger(__name__)
+
+MESSAGE_TYPE = "job.progress"
 
 
 def job_group(job_id: int) -> str:
     return f"job-{job_id}"
 
 
-import logging
-import time
-from dataclasses import dataclass, field
-from datetime import timedelta
-
-logger = logging.getLogger(__name__)
-
-MESSAGE_TYPE = "job.progress"
 RATE_WINDOW_S = 10.0  # the job's rate: rollouts done over the last RATE_WINDOW_S, all chunks together
 LIVE_FRESH_S = 5.0  # a chunk's latest sample counts toward in-flight / parallelism while this fresh
 
@@ -47,10 +51,6 @@ def live_figures(job_id: int, now=None) -> LiveFigures:
       chunk that finished inside the window still counts for what it did there, and no more;
     - in flight / parallelism: the sum of each series' latest sample when fresh and still holding slots.
     Reads at most 2 x RATE_WINDOW_S of samples (bounded work for a job of any length)."""
-    from django.utils import timezone
-
-    from .models import JobMetricSample
-
     now = now or timezone.now()
     since = now - timedelta(seconds=RATE_WINDOW_S)
     rows = (JobMetricSample.objects.filter(job_id=job_id, t__gt=now - timedelta(seconds=2 * RATE_WINDOW_S), t__lte=now)

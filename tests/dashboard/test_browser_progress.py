@@ -12,7 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 from . import servers
-from .conftest import make_dataset
+from tests.factories import make_dataset
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 

@@ -10,7 +10,7 @@ from controlplane.dashboard.live import job_snapshot
 from controlplane.jobs.events import RATE_WINDOW_S, job_progress, live_figures
 from controlplane.jobs.models import JobMetricSample
 
-from .conftest import make_dataset, make_endpoint, make_job
+from tests.factories import make_dataset, make_endpoint, make_job
 
 pytestmark = pytest.mark.django_db
 
