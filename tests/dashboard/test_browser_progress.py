@@ -4,13 +4,12 @@ while it runs."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from pathlib import Path
 
 import pytest
 from django.db import connection
-from django.utils import timezone
-
 from . import servers
 from tests.factories import make_dataset
 
@@ -59,16 +58,16 @@ def _duration(text: str) -> float:
     return float(sum(v * 60 ** i for i, v in enumerate(reversed(parts))))
 
 
-def _stored_truth(job_id: int, total: int) -> dict:
-    """What the stored rollouts say: rate over the last WINDOW_S seconds (shorter while the job is younger),
-    done, and the ETA that rate gives."""
+def _stored_truth(job_id: int, total: int, at) -> dict:
+    """What the stored rollouts say at the moment `at` (when the page's numbers were sent): rate over the
+    WINDOW_S seconds before it (shorter while the job is younger), done, and the ETA that rate gives."""
     from controlplane.jobs.models import CollectionJob, Rollout
 
-    now = timezone.now()
     job = CollectionJob.objects.get(pk=job_id)
-    span = min(WINDOW_S, (now - job.started_at).total_seconds())
-    recent = Rollout.objects.filter(job_id=job_id, created_at__gt=now - timedelta(seconds=span)).count()
-    done = Rollout.objects.filter(job_id=job_id).count()
+    span = min(WINDOW_S, (at - job.started_at).total_seconds())
+    mine = Rollout.objects.filter(job_id=job_id, created_at__lte=at)
+    recent = mine.filter(created_at__gt=at - timedelta(seconds=span)).count()
+    done = mine.count()
     rate = recent / span
     return {"rate": rate, "done": done, "eta": (total - done) / rate if rate else None}
 
@@ -104,9 +103,17 @@ def test_four_chunks_on_two_workers_page_agrees_with_stored_rollouts(two_worker_
                 while int(_num(kpi("done") or "0")) < frac * total:
                     assert time.monotonic() < deadline, f"the job did not reach {frac:.0%}: {kpi('done')}"
                     time.sleep(0.2)
-                page_vals = {"in_flight": _num(kpi("in_flight")), "rate": _num(kpi("samples_per_s")),
-                             "eta": _duration(kpi("eta_s")), "parallelism": _num(kpi("parallelism"))}
-                truth = _stored_truth(job.pk, total)
+                # the shown figures and the time of the message they came from, read in one go
+                shown = page.evaluate("""() => {
+                    const v = (f) => document.querySelector(`#job-progress ~ .kpis [data-field=${f}]`).textContent.trim();
+                    return {in_flight: v("in_flight"), rate: v("samples_per_s"), eta: v("eta_s"),
+                            parallelism: v("parallelism"), t: window.dashboardLast.t};
+                }""")
+                page_vals = {"in_flight": _num(shown["in_flight"]), "rate": _num(shown["rate"]),
+                             "eta": _duration(shown["eta"]), "parallelism": _num(shown["parallelism"])}
+                sent = shown["t"]  # when the numbers on the page were computed
+                time.sleep(1.0)  # let the rollouts of that moment reach the database (batched writes)
+                truth = _stored_truth(job.pk, total, datetime.fromtimestamp(sent, tz=dt_timezone.utc))
                 series = set(JobMetricSample.objects.filter(job_id=job.pk).values_list("worker", flat=True))
                 moments.append((frac, page_vals, truth))
                 print(f"at {frac:.0%}: page {page_vals} stored {truth} series {sorted(series)}")
