@@ -55,6 +55,7 @@ class OpResult:
     rpc_ms: float | None = None
     queue_ms: float | None = None
     rpc_source: str = ""  # "server-timing" | "ttfb" | ""
+    connect_ms: float | None = None  # part of queue_ms spent opening the TCP connection
     total_ms: float | None = None
     attempts: int = 0
     timed_out: bool = False
@@ -74,6 +75,14 @@ class _Timing:
 
 async def _on_headers_sent(session, ctx, params):
     ctx.trace_request_ctx.t_sent = time.perf_counter()
+
+
+async def _on_conn_start(session, ctx, params):
+    ctx.trace_request_ctx.t_conn_start = time.perf_counter()
+
+
+async def _on_conn_end(session, ctx, params):
+    ctx.trace_request_ctx.t_conn_end = time.perf_counter()
 
 
 def parse_server_timing(value: str | None) -> float | None:
@@ -108,6 +117,8 @@ class AdminClient:
     async def __aenter__(self) -> "AdminClient":
         tc = aiohttp.TraceConfig()  # its default context carries our _Timing as trace_request_ctx
         tc.on_request_headers_sent.append(_on_headers_sent)
+        tc.on_connection_create_start.append(_on_conn_start)
+        tc.on_connection_create_end.append(_on_conn_end)
         connector = aiohttp.TCPConnector(force_close=True, limit=self.limit, limit_per_host=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=[tc],
                                               timeout=aiohttp.ClientTimeout(total=None))
@@ -145,7 +156,7 @@ class AdminClient:
         """Fill res from one attempt; True when it is worth retrying (5xx, transport error)."""
         timing = _Timing()
         t0 = time.perf_counter()
-        res.rpc_ms = res.queue_ms = None
+        res.rpc_ms = res.queue_ms = res.connect_ms = None
         res.rpc_source = ""
         res.timed_out = False
         tmo = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
@@ -162,6 +173,8 @@ class AdminClient:
                 elif timing.t_sent is not None:
                     res.rpc_ms, res.rpc_source = (t_headers - timing.t_sent) * 1000, "ttfb"
                 res.wall_ms = (t_end - t0) * 1000
+                if timing.t_conn_start is not None and timing.t_conn_end is not None:
+                    res.connect_ms = round((timing.t_conn_end - timing.t_conn_start) * 1000, 3)
                 if res.rpc_ms is not None:
                     res.rpc_ms = round(min(res.rpc_ms, res.wall_ms), 3)
                     res.queue_ms = round(max(0.0, res.wall_ms - res.rpc_ms), 3)
