@@ -142,6 +142,9 @@ JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.
 JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
+# The dashboard warns when an admin operation (pause, weight update...) waited longer than this on the
+# client side (queue_ms = wall_ms - rpc_ms).
+ADMIN_QUEUE_ALERT_MS = env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0)
 
 CHANNEL_LAYERS = {
     "default": {

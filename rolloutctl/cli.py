@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -342,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wait(p)
     _add_gates(p)
     p.add_argument("-o", "--output", help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json")
+    admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
     return parser
 
 
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
     if not args.token:
         log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
     try:
+        if args.command in admin.COMMANDS:
+            return admin.run(client, args)
         if args.command == "submit":
             job = do_submit(client, args)
             print(job["id"], flush=True)

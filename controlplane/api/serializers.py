@@ -184,6 +184,11 @@ class EndpointHealthSerializer(serializers.Serializer):
     checked_at = serializers.DateTimeField(allow_null=True)
 
 
+class EndpointPrewarmRequestSerializer(serializers.Serializer):
+    count = serializers.IntegerField(min_value=0, max_value=1024, default=4,
+                                     help_text="how many tiny requests, spread over the replicas")
+
+
 class EndpointPrewarmSerializer(serializers.Serializer):
     endpoint = serializers.IntegerField()
     result = serializers.JSONField()

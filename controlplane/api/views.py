@@ -222,14 +222,17 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
         health = result if isinstance(result, dict) else (endpoint.last_health or {"result": result})
         return Response({"endpoint": endpoint.pk, "health": health, "checked_at": endpoint.last_health_at})
 
-    @extend_schema(summary="Pre-warm the endpoint (a few tiny requests per replica)", request=None,
-                   responses={200: s.EndpointPrewarmSerializer, **errors(*READ_ERRORS)})
+    @extend_schema(summary="Pre-warm the endpoint (`count` tiny requests spread over the replicas)",
+                   request=s.EndpointPrewarmRequestSerializer,
+                   responses={200: s.EndpointPrewarmSerializer, **errors(400, *READ_ERRORS)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
         from controlplane.endpoints.services import prewarm
 
         endpoint = self.get_object()
-        result = prewarm(endpoint)
+        params = s.EndpointPrewarmRequestSerializer(data=request.data if isinstance(request.data, dict) else {})
+        params.is_valid(raise_exception=True)
+        result = prewarm(endpoint, params.validated_data["count"])
         return Response({"endpoint": endpoint.pk, "result": result if result is not None else {}})
 
 

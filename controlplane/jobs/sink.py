@@ -18,6 +18,7 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.endpoints.versions import VersionTagger
 from workers.engine.materialize import materialize
 from workers.engine.types import ControlState, ProgressTick, RolloutResult
 
@@ -181,6 +182,7 @@ class DbSink:
                         "parallelism": job.effective_parallelism}
         self.last_tick: ProgressTick | None = None
         self._job_stub = job  # for progress_payload's static fields
+        self.versions = VersionTagger(job.endpoint_id)  # weight versions for servers that report none
 
         self._flush_lock: asyncio.Lock | None = None
         self._timer: asyncio.Task | None = None
@@ -197,6 +199,7 @@ class DbSink:
     # -- engine-facing -------------------------------------------------------------------------
     async def rollout(self, result: RolloutResult) -> None:
         self._ensure_started()
+        self.versions.stamp(result)
         self.buffer.append(result)
         self.received += 1
         if len(self.buffer) >= self.flush_rows:
@@ -284,6 +287,7 @@ class DbSink:
     def _write_batch(self, batch: list[RolloutResult]):
         """On the DB thread: insert, bump the job's counters by what was really inserted, heartbeat."""
         now = timezone.now()
+        self.versions.tag(batch)
         rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
         try:
             with transaction.atomic():
