@@ -2,7 +2,7 @@
 
     rolloutctl endpoint-op ENDPOINT_ID health|prewarm|reset_prefix_cache|pause|resume|sleep|wake_up
                            [--mode keep|wait|abort] [--level 1|2] [--count N]
-    rolloutctl update-weights ENDPOINT_ID (--path DIR | --checkpoint-id ID) [--version N]
+    rolloutctl update-weights ENDPOINT_ID (--path DIR | --checkpoint-id ID) [--weight-version N]
     rolloutctl admin-stats ENDPOINT_ID            p50/p95/p99 of queue/rpc/wall per operation kind
     rolloutctl weight-versions JOB_ID             rollouts per weight version and their lag
 
@@ -33,7 +33,7 @@ def add_parsers(sub, add_connection) -> None:
     p.add_argument("endpoint", type=int)
     p.add_argument("--path", default="", help="directory of the new weights, as the model server sees it")
     p.add_argument("--checkpoint-id", default="")
-    p.add_argument("--version", dest="weight_version", type=int, help="version to tag rollouts with (default last + 1)")
+    p.add_argument("--weight-version", dest="weight_version", type=int, help="version to tag rollouts with (default last + 1)")
     p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep")
 
     p = sub.add_parser("admin-stats", help="timings of an endpoint's admin operations (p50/p95/p99)")

@@ -3,7 +3,7 @@
     manage.py endpoint_admin my-vllm health
     manage.py endpoint_admin 3 prewarm --count 16
     manage.py endpoint_admin 3 pause --mode keep        (then: resume)
-    manage.py endpoint_admin 3 update_weights --path /ckpt/step-1200 [--version 7]
+    manage.py endpoint_admin 3 update_weights --path /ckpt/step-1200 [--weight-version 7]
     manage.py endpoint_admin 3 stats                    p50/p95/p99 of queue/rpc/wall per kind
     manage.py endpoint_admin 3 log [--trace ID]         the operation log
 
@@ -32,7 +32,7 @@ class Command(BaseCommand):
         parser.add_argument("--count", type=int, help="pre-warm: how many tiny requests (default 4 per replica)")
         parser.add_argument("--path", default="", help="update_weights: directory of the new weights")
         parser.add_argument("--checkpoint-id", default="", help="update_weights: checkpoint id")
-        parser.add_argument("--version", dest="weight_version", type=int, help="update_weights: version to tag (default last + 1)")
+        parser.add_argument("--weight-version", dest="weight_version", type=int, help="update_weights: version to tag (default last + 1)")
         parser.add_argument("--trace", default="", help="log: a trace id or its prefix")
         parser.add_argument("--json", action="store_true", help="print the full result as JSON")
 
