@@ -57,6 +57,7 @@ class AdminOperation(models.Model):
         PAUSE = "pause", "pause"
         RESUME = "resume", "resume"
         UPDATE_WEIGHTS = "update_weights", "update weights"
+        SET_WEIGHT_VERSION = "set_weight_version", "set weight version"
         SLEEP = "sleep", "sleep"
         WAKE_UP = "wake_up", "wake up"
 

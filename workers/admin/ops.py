@@ -18,9 +18,12 @@ from .client import AdminClient, OpResult, new_trace_id
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SERVER_KINDS = ("simulator", "vllm")
-# What a vLLM server reloads its weights with when it has no weight-transfer engine set up (CPU, tests):
-# the worker's reload_weights method through the dev-mode /collective_rpc route. It reads the weights
-# from the path the server was started with (or, given a path, from that directory).
+# How a vLLM server reloads its weights without a weight-transfer engine (NCCL/IPC, which CPU servers lack):
+# the worker's reload_weights method through the dev-mode /collective_rpc route, in place, from the given
+# directory of safetensors (which then becomes the model's path) or, without one, from the model's own
+# path (a trainer that overwrote its checkpoint there). vLLM's chat/completions answers carry no weight
+# version, so after the reload the control plane's version is set on the server (/update_weight_version,
+# readable at /weight_info) and rollouts are tagged by dispatch time (controlplane.endpoints.versions).
 VLLM_RELOAD_METHOD = "reload_weights"
 
 
@@ -89,13 +92,14 @@ async def prewarm(client, urls, count: int, *, model: str, flavor: str = "chat_c
         for i in range(count))))
 
 
-def update_request(server: str, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
-                   model_dir: str = "") -> tuple[str, str, dict]:
+def update_request(server: str, *, path: str = "", checkpoint_id: str = "",
+                   version: int | None = None) -> tuple[str, str, dict]:
     """(method, route, body) of the update step for a server kind.
 
     simulator: POST /update_weights {"weight_version": v, "path": ..., "checkpoint_id": ...}
-    vllm:      POST /collective_rpc {"method": "reload_weights", "kwargs": {...}}: the worker reloads the
-               weights from disk; `path` (a directory of safetensors) overrides the model's own directory.
+    vllm:      POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": path}}: the
+               worker reloads the weights from disk (the model's own directory when no path is given),
+               then POST /update_weight_version {"new_version": v}.
     """
     if server == "simulator":
         body: dict[str, Any] = {}
@@ -108,8 +112,8 @@ def update_request(server: str, *, path: str = "", checkpoint_id: str = "", vers
         return "POST", "/update_weights", body
     if server == "vllm":
         kwargs: dict[str, Any] = {}
-        if path or model_dir:
-            kwargs["weights_path"] = path or model_dir
+        if path:
+            kwargs["weights_path"] = path
         return "POST", "/collective_rpc", {"method": VLLM_RELOAD_METHOD, "kwargs": kwargs}
     raise ValueError(f"unknown server kind {server!r}; known: {', '.join(SERVER_KINDS)}")
 
@@ -142,6 +146,10 @@ async def update_weights_one(client, url: str, *, server: str, trace_id: str, pa
             if any(isinstance(r, dict) and r.get("error") for r in results or []):
                 upd.ok, upd.error = False, f"reload failed on a worker: {results}"[:500]
         steps.append(upd)
+        if upd.ok and server == "vllm" and version is not None:
+            # vLLM (>= 0.3x, dev mode) keeps a weight version of its own (GET /weight_info): set it to ours
+            steps.append(await client.call(url, "POST", "/update_weight_version", kind="set_weight_version",
+                                           json_body={"new_version": str(version)}, trace_id=trace_id))
     steps.append(await client.call(url, "POST", "/resume", kind="resume", trace_id=trace_id))
     return steps
 
