@@ -12,6 +12,7 @@ numeric versions (the control plane numbers the versions it assigns 1, 2, 3...);
 from __future__ import annotations
 
 import bisect
+from datetime import timedelta
 import time
 
 from django.db.models import Count, Q
@@ -90,3 +91,28 @@ class VersionTagger:
 
 def panel_context(request, job) -> dict:
     return {"versions": job_versions(job)}
+
+
+def backfill(wv: WeightVersion) -> int:
+    """When an update is recorded: rollouts of the endpoint's jobs that were stored without a version
+    before this record existed (their sink had no history to tag them with) get one by dispatch time
+    (stored at - wall time): this update's version from its pause on, else the version before it.
+    Returns how many rows were tagged."""
+    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
+    from django.db.models.functions import Coalesce
+
+    from controlplane.jobs.models import Rollout
+
+    prior = (WeightVersion.objects.filter(endpoint_id=wv.endpoint_id, started_at__lt=wv.started_at)
+             .exclude(pk=wv.pk).order_by("-started_at").first())
+    older = prior.version if prior else (wv.previous_version or "0")
+    qs = Rollout.objects.filter(job__endpoint_id=wv.endpoint_id, weight_version="", created_at__lte=wv.applied_at)
+    if prior is not None:
+        qs = qs.filter(created_at__gt=prior.started_at)
+    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
+                             output_field=DurationField())
+    dispatched = ExpressionWrapper(F("created_at") - wall, output_field=DateTimeField())
+    qs = qs.annotate(dispatched_at=dispatched)
+    n = qs.filter(dispatched_at__gte=wv.started_at).update(weight_version=wv.version)
+    n += qs.filter(dispatched_at__lt=wv.started_at).update(weight_version=older)
+    return n

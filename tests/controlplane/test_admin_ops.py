@@ -250,3 +250,20 @@ def test_servers_without_a_version_are_tagged_by_dispatch_time(user, sim_endpoin
     # dispatched before any update: the version before the first; then each update from its pause on
     assert [r.weight_version for r in batch] == ["0", "1", "2", "7"]
     assert admin_ops.current_version(ep) == "2"
+
+
+def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(user, sim_endpoint, math_dataset):
+    from controlplane.endpoints.versions import backfill
+
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    now = timezone.now()
+    # (stored seconds ago, wall seconds): dispatched 60 s ago; 20 s ago; 4 s ago (stored after the pause)
+    for i, (ago, wall) in enumerate([(50, 10), (19, 1), (3, 1), (1, 0)]):
+        Rollout.objects.create(job=job, task_index=i, rollout_index=0, status="ok", data={}, wall_ms=wall * 1000,
+                               created_at=now - timedelta(seconds=ago), weight_version="7" if i == 3 else "")
+    wv = WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t", started_at=now - timedelta(seconds=5),
+                                      applied_at=now)
+    assert backfill(wv) == 3
+    got = dict(Rollout.objects.filter(job=job).values_list("task_index", "weight_version"))
+    assert got == {0: "0", 1: "0", 2: "1", 3: "7"}  # a version the server reported is kept
