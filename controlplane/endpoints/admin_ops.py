@@ -171,7 +171,8 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
                 endpoint=endpoint, version=str(new_version), previous_version=previous, weights_path=path[:1000],
                 checkpoint_id=checkpoint_id[:300], trace_id=trace_id,
                 started_at=datetime.fromtimestamp(started, dt_tz.utc), applied_at=timezone.now())
-            versions.backfill(wv)  # rollouts stored without a version while no history existed
+            endpoint_id = endpoint.pk
+            transaction.on_commit(lambda: versions.backfill(endpoint_id))  # rows stored before the history existed
     return {"trace_id": trace_id, "ok": report.ok, "applied": applied, "server": server_kind,
             "version": str(new_version) if wv else previous, "previous_version": previous,
             "requested_version": str(new_version), "failed_replicas": report.failed_replicas,

@@ -61,13 +61,51 @@ def job_versions(job) -> dict:
             "stale": stale}
 
 
+def _history(endpoint_id) -> list[tuple]:
+    """[(started_at, version, previous_version)] oldest first."""
+    return list(WeightVersion.objects.filter(endpoint_id=endpoint_id).order_by("started_at", "id")
+                .values_list("started_at", "version", "previous_version"))
+
+
+def tag_stored(rollouts, history: list[tuple]) -> int:
+    """Give the rollouts in `rollouts` stored without a version the version in force at their dispatch
+    (stored at - wall time): each update's version from its pause on, before the first the version it
+    replaced ("0": the weights the server started with). Returns how many rows were tagged."""
+    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
+    from django.db.models.functions import Coalesce
+
+    if not history:
+        return 0
+    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
+                             output_field=DurationField())
+    qs = rollouts.filter(weight_version="").annotate(
+        dispatched_at=ExpressionWrapper(F("created_at") - wall, output_field=DateTimeField()))
+    n = qs.filter(dispatched_at__lt=history[0][0]).update(weight_version=history[0][2] or "0")
+    for i, (start, version, _prev) in enumerate(history):
+        q = qs.filter(dispatched_at__gte=start)
+        if i + 1 < len(history):
+            q = q.filter(dispatched_at__lt=history[i + 1][0])
+        n += q.update(weight_version=version)
+    return n
+
+
+def backfill(endpoint_id) -> int:
+    """After an update is recorded (on commit): the endpoint's rollouts stored without a version, e.g. while
+    no history existed for their sink to tag them with, are tagged by dispatch time."""
+    from controlplane.jobs.models import Rollout
+
+    return tag_stored(Rollout.objects.filter(job__endpoint_id=endpoint_id), _history(endpoint_id))
+
+
 class VersionTagger:
     """For the job sink: `stamp(result)` when a rollout arrives (cheap, in the event loop), `tag(batch)`
     on the DB thread before the batch is written (reads the endpoint's update history)."""
 
-    def __init__(self, endpoint_id):
+    def __init__(self, endpoint_id, job_id=None):
         self.endpoint_id = endpoint_id
+        self.job_id = job_id
         self._arrived: dict[int, float] = {}
+        self._stored_untagged = False  # rows went out without a version while there was no history
 
     def stamp(self, result) -> None:
         if not result.weight_version:
@@ -76,12 +114,17 @@ class VersionTagger:
     def tag(self, batch) -> None:
         arrived = [(r, self._arrived.pop(id(r), None)) for r in batch]
         todo = [(r, t) for r, t in arrived if t is not None and not r.weight_version]
-        if not todo:
+        if not todo and not self._stored_untagged:
             return
-        history = list(WeightVersion.objects.filter(endpoint_id=self.endpoint_id).order_by("started_at", "id")
-                       .values_list("started_at", "version", "previous_version"))
+        history = _history(self.endpoint_id)
         if not history:
+            self._stored_untagged = self._stored_untagged or bool(todo)
             return
+        if self._stored_untagged and self.job_id is not None:  # the first update landed since: fix those rows
+            from controlplane.jobs.models import Rollout
+
+            tag_stored(Rollout.objects.filter(job_id=self.job_id), history)
+            self._stored_untagged = False
         starts = [h[0].timestamp() for h in history]
         for r, t in todo:
             dispatched = t - (r.wall_ms or 0.0) / 1000.0
@@ -92,27 +135,3 @@ class VersionTagger:
 def panel_context(request, job) -> dict:
     return {"versions": job_versions(job)}
 
-
-def backfill(wv: WeightVersion) -> int:
-    """When an update is recorded: rollouts of the endpoint's jobs that were stored without a version
-    before this record existed (their sink had no history to tag them with) get one by dispatch time
-    (stored at - wall time): this update's version from its pause on, else the version before it.
-    Returns how many rows were tagged."""
-    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
-    from django.db.models.functions import Coalesce
-
-    from controlplane.jobs.models import Rollout
-
-    prior = (WeightVersion.objects.filter(endpoint_id=wv.endpoint_id, started_at__lt=wv.started_at)
-             .exclude(pk=wv.pk).order_by("-started_at").first())
-    older = prior.version if prior else (wv.previous_version or "0")
-    qs = Rollout.objects.filter(job__endpoint_id=wv.endpoint_id, weight_version="", created_at__lte=wv.applied_at)
-    if prior is not None:
-        qs = qs.filter(created_at__gt=prior.started_at)
-    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
-                             output_field=DurationField())
-    dispatched = ExpressionWrapper(F("created_at") - wall, output_field=DateTimeField())
-    qs = qs.annotate(dispatched_at=dispatched)
-    n = qs.filter(dispatched_at__gte=wv.started_at).update(weight_version=wv.version)
-    n += qs.filter(dispatched_at__lt=wv.started_at).update(weight_version=older)
-    return n

@@ -182,7 +182,7 @@ class DbSink:
                         "parallelism": job.effective_parallelism}
         self.last_tick: ProgressTick | None = None
         self._job_stub = job  # for progress_payload's static fields
-        self.versions = VersionTagger(job.endpoint_id)  # weight versions for servers that report none
+        self.versions = VersionTagger(job.endpoint_id, job.pk)  # weight versions for servers that report none
 
         self._flush_lock: asyncio.Lock | None = None
         self._timer: asyncio.Task | None = None

@@ -262,8 +262,8 @@ def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(
     for i, (ago, wall) in enumerate([(50, 10), (19, 1), (3, 1), (1, 0)]):
         Rollout.objects.create(job=job, task_index=i, rollout_index=0, status="ok", data={}, wall_ms=wall * 1000,
                                created_at=now - timedelta(seconds=ago), weight_version="7" if i == 3 else "")
-    wv = WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t", started_at=now - timedelta(seconds=5),
-                                      applied_at=now)
-    assert backfill(wv) == 3
+    WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t", started_at=now - timedelta(seconds=5),
+                                 applied_at=now)
+    assert backfill(ep.pk) == 3
     got = dict(Rollout.objects.filter(job=job).values_list("task_index", "weight_version"))
     assert got == {0: "0", 1: "0", 2: "1", 3: "7"}  # a version the server reported is kept
