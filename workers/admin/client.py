@@ -56,6 +56,7 @@ class OpResult:
     queue_ms: float | None = None
     rpc_source: str = ""  # "server-timing" | "ttfb" | ""
     connect_ms: float | None = None  # part of queue_ms spent opening the TCP connection
+    send_ms: float | None = None  # call -> request headers written: the client-side part of queue_ms
     total_ms: float | None = None
     attempts: int = 0
     timed_out: bool = False
@@ -156,7 +157,7 @@ class AdminClient:
         """Fill res from one attempt; True when it is worth retrying (5xx, transport error)."""
         timing = _Timing()
         t0 = time.perf_counter()
-        res.rpc_ms = res.queue_ms = res.connect_ms = None
+        res.rpc_ms = res.queue_ms = res.connect_ms = res.send_ms = None
         res.rpc_source = ""
         res.timed_out = False
         tmo = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
@@ -173,6 +174,8 @@ class AdminClient:
                 elif timing.t_sent is not None:
                     res.rpc_ms, res.rpc_source = (t_headers - timing.t_sent) * 1000, "ttfb"
                 res.wall_ms = (t_end - t0) * 1000
+                if timing.t_sent is not None:
+                    res.send_ms = round((timing.t_sent - t0) * 1000, 3)
                 if timing.t_conn_start is not None and timing.t_conn_end is not None:
                     res.connect_ms = round((timing.t_conn_end - timing.t_conn_start) * 1000, 3)
                 if res.rpc_ms is not None:
