@@ -8,7 +8,8 @@ import os
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from controlplane.datasets.services import DatasetValidationError, format_report, ingest_jsonl
+from controlplane.datasets.services import DatasetValidationError, ingest_jsonl
+from workers.nemo_jsonl import format_report
 
 
 class Command(BaseCommand):
@@ -36,8 +37,8 @@ class Command(BaseCommand):
                               description=description)
         except DatasetValidationError as e:
             self.stderr.write(format_report(e.report, max_lines=max_report_lines))
-            ds_id = e.dataset.pk if e.dataset else "-"
-            raise CommandError(f"dataset {ds_id} {e.message}", returncode=1)
+            kept = f" (dataset {e.dataset.pk} records the rejection)" if e.dataset else ""
+            raise CommandError(f"{path}: {e.message}{kept}", returncode=1)
         rep = ds.validation_report
         if rep.get("bad_line_count"):
             self.stdout.write(format_report(rep, max_lines=max_report_lines))
