@@ -22,6 +22,7 @@ from controlplane.endpoints.versions import VersionTagger
 from controlplane.jobs import services
 from controlplane.jobs.export import iter_export_lines
 from controlplane.jobs.models import JobState, Rollout
+from controlplane.jobs.runtime import run_job_inline
 from workers.engine.types import RolloutResult
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -194,7 +195,7 @@ def test_a_job_spanning_two_weight_versions(api, client, user, math_dataset, sim
 
     def run():
         try:
-            box["job"] = services.run_job_inline(job)
+            box["job"] = run_job_inline(job)
         finally:
             from django.db import connection
             connection.close()

@@ -19,6 +19,7 @@ from rest_framework.test import APIClient
 from controlplane.endpoints.models import AdminOperation, Endpoint, WeightVersion
 from controlplane.jobs import services
 from controlplane.jobs.models import JobState, Rollout
+from controlplane.jobs.runtime import run_job_inline
 from tests.fixtures_vllm import MODEL_DIR, VLLM_PYTHON
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -68,7 +69,7 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
 
     def run():
         try:
-            box["job"] = services.run_job_inline(job)
+            box["job"] = run_job_inline(job)
         finally:
             from django.db import connection
             connection.close()
