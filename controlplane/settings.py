@@ -185,6 +185,9 @@ JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.
 JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
+# The dashboard warns when an admin operation (pause, weight update...) waited longer than this on the
+# client side (queue_ms = wall_ms - rpc_ms).
+ADMIN_QUEUE_ALERT_MS = env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0)
 
 # --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
 # Model-server hosts users may register: "*" (anything) on a laptop, a list in production
@@ -243,7 +246,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
-                            "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status"},
+                            "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
+                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES"},
 }
 
 LOGGING = {

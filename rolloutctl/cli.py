@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -370,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=jsonl_path,
                    help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json (.jsonl is added "
                         "when the name has no extension)")
+    admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
     return parser
 
 
@@ -391,6 +392,8 @@ def main(argv=None) -> int:
     if not args.token:
         log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
     try:
+        if args.command in admin.COMMANDS:
+            return admin.run(client, args)
         if args.command == "submit":
             job = do_submit(client, args)
             print(job["id"], flush=True)

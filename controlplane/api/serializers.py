@@ -197,6 +197,11 @@ class EndpointQueuedSerializer(serializers.Serializer):
     last_prewarm = serializers.JSONField()
 
 
+class EndpointPrewarmRequestSerializer(serializers.Serializer):
+    count = serializers.IntegerField(min_value=0, max_value=64, default=4,
+                                     help_text="how many tiny requests, spread over the replicas")
+
+
 # ---------------------------------------------------------------------------------------------- jobs
 
 

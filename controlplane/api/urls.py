@@ -22,6 +22,7 @@ urlpatterns = [
     path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),
     re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/rollouts/$", views.JobRolloutsView.as_view(), name="job-rollouts"),
     re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/metrics/$", views.JobMetricsView.as_view(), name="job-metrics"),
+    path("", include("controlplane.endpoints.urls")),  # admin operations, weight versions (before the router)
     path("", include(router.urls)),
     # other apps' API routes mount here, before the catch-all
     path("", include("controlplane.diagnostics.urls")),

@@ -182,10 +182,10 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
             raise Conflict(f"endpoint {instance.pk} is used by {n} job(s); delete those jobs first")
         instance.delete()
 
-    def _enqueue(self, kind):
+    def _enqueue(self, kind, **params):
         endpoint = self.get_object()
         try:
-            enqueue_endpoint_task(kind, endpoint)
+            enqueue_endpoint_task(kind, endpoint, **params)
         except Exception as exc:  # noqa: BLE001 - broker down: nothing was sent
             log.warning("could not enqueue %s of endpoint %s: %s", kind, endpoint.pk, exc)
             return Response({"detail": "The task queue is unavailable; try again shortly.", "code": "unavailable"},
@@ -200,11 +200,15 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
     def health(self, request, pk=None):
         return self._enqueue("health")
 
-    @extend_schema(summary="Pre-warm the endpoint (in a worker; the result lands in last_prewarm)", request=None,
-                   responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
+    @extend_schema(summary="Pre-warm the endpoint with `count` tiny requests spread over the replicas (in a "
+                           "worker; the result lands in last_prewarm)",
+                   request=s.EndpointPrewarmRequestSerializer,
+                   responses={202: s.EndpointQueuedSerializer, **errors(400, *READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
-        return self._enqueue("prewarm")
+        params = s.EndpointPrewarmRequestSerializer(data=request.data if isinstance(request.data, dict) else {})
+        params.is_valid(raise_exception=True)
+        return self._enqueue("prewarm", n=params.validated_data["count"])
 
 
 # ---------------------------------------------------------------------------------------------- jobs

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import endpoint_admin, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -16,6 +16,8 @@ urlpatterns = [
     path("datasets/<int:dataset_id>/", views.dataset_detail, name="dataset"),
     path("endpoints/", views.endpoints, name="endpoints"),
     path("endpoints/<int:endpoint_id>/health/", views.endpoint_health, name="endpoint_health"),
+    path("endpoints/<int:endpoint_id>/", endpoint_admin.endpoint_detail, name="endpoint"),
+    path("endpoints/<int:endpoint_id>/admin/<str:kind>/", endpoint_admin.endpoint_admin_action, name="endpoint_admin"),
     path("compare/", views.compare, name="compare"),
     path("history/", views.history, name="history"),
 ]

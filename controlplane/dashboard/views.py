@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 from django.utils.http import url_has_allowed_host_and_scheme
 from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -346,9 +346,10 @@ def endpoint_health(request, endpoint_id):
     except Exception:  # noqa: BLE001 - broker down: say so, the page stays up
         messages.error(request, "the task queue is unavailable; try again shortly")
     nxt = request.POST.get("next") or ""
-    if not url_has_allowed_host_and_scheme(nxt, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
-        nxt = "dashboard:endpoints"  # only a page of this site
-    return redirect(nxt)
+    if nxt.startswith("/") and url_has_allowed_host_and_scheme(nxt, allowed_hosts={request.get_host()},
+                                                               require_https=request.is_secure()):
+        return HttpResponseRedirect(nxt)  # only a path of this site, never a view name or another host
+    return redirect("dashboard:endpoints")
 
 
 # --- Compare ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
-from .models import Endpoint
+from .models import AdminOperation, Endpoint, WeightVersion
 from .tasks import enqueue
 
 
@@ -94,3 +94,32 @@ class EndpointAdmin(admin.ModelAdmin):
     @admin.action(description="Pre-warm the selected endpoints (4 tiny requests)")
     def action_prewarm(self, request, queryset):
         self._enqueue(request, queryset, "prewarm", 20)
+
+
+@admin.register(AdminOperation)
+class AdminOperationAdmin(admin.ModelAdmin):
+    """The admin operation log (read-only): search by trace id, filter by kind and status."""
+    list_display = ("created_at", "trace_id", "endpoint", "kind", "replica", "status", "queue_ms", "rpc_ms", "wall_ms",
+                    "attempts")
+    list_filter = ("kind", "status", "source")
+    search_fields = ("trace_id", "replica", "error")
+    list_select_related = ("endpoint",)
+    date_hierarchy = "created_at"
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(WeightVersion)
+class WeightVersionAdmin(admin.ModelAdmin):
+    list_display = ("endpoint", "version", "previous_version", "weights_path", "checkpoint_id", "started_at",
+                    "applied_at", "trace_id")
+    search_fields = ("trace_id", "version", "checkpoint_id")
+    list_select_related = ("endpoint",)
+    readonly_fields = [f.name for f in WeightVersion._meta.fields]
+
+    def has_add_permission(self, request):
+        return False

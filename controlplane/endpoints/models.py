@@ -53,3 +53,72 @@ class Endpoint(models.Model):
     @property
     def has_api_key(self):
         return bool(self.api_key)
+
+
+class AdminOperation(models.Model):
+    """One admin request to one replica (a weight update is three: pause, update_weights, resume), timed as
+    wall_ms (client) = rpc_ms (server) + queue_ms (client side). One trace id per user action, shared by
+    the requests it made and sent to the server in the X-Trace-Id header."""
+
+    class Kind(models.TextChoices):
+        HEALTH = "health", "health"
+        PREWARM = "prewarm", "pre-warm"
+        RESET_PREFIX_CACHE = "reset_prefix_cache", "reset prefix cache"
+        PAUSE = "pause", "pause"
+        RESUME = "resume", "resume"
+        UPDATE_WEIGHTS = "update_weights", "update weights"
+        SET_WEIGHT_VERSION = "set_weight_version", "set weight version"
+        SLEEP = "sleep", "sleep"
+        WAKE_UP = "wake_up", "wake up"
+
+    class Status(models.TextChoices):
+        OK = "ok", "ok"
+        FAILED = "failed", "failed"
+        NO_ANSWER = "no_answer", "no answer (timed out)"
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="admin_operations")
+    trace_id = models.CharField(max_length=64, db_index=True)
+    kind = models.CharField(max_length=30, choices=Kind.choices)
+    replica = models.CharField(max_length=500)
+    status = models.CharField(max_length=20, choices=Status.choices)
+    http_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    wall_ms = models.FloatField(null=True, blank=True)
+    rpc_ms = models.FloatField(null=True, blank=True)
+    queue_ms = models.FloatField(null=True, blank=True)
+    connect_ms = models.FloatField(null=True, blank=True)
+    rpc_source = models.CharField(max_length=20, blank=True, help_text="server-timing (the server's own figure) or ttfb")
+    attempts = models.PositiveSmallIntegerField(default=1)
+    params = models.JSONField(default=dict, blank=True)
+    source = models.CharField(max_length=20, blank=True, help_text="dashboard, api, command")
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                     related_name="+")
+    created_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["endpoint", "kind", "created_at"], name="adminop_ep_kind_time")]
+
+    def __str__(self):
+        return f"{self.kind} {self.replica} {self.status} ({self.trace_id})"
+
+
+class WeightVersion(models.Model):
+    """A weight version an endpoint switched to through a weight update. Rollouts are tagged with the
+    version the server reports (X-Weight-Version / weight_version); a server that reports none (vLLM) gets
+    the version of the update in force when the rollout was dispatched: from the moment its pause was
+    sent (`started_at`), since requests sent during the pause are generated with the new weights."""
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="weight_versions")
+    version = models.CharField(max_length=100)
+    previous_version = models.CharField(max_length=100, blank=True)
+    weights_path = models.CharField(max_length=1000, blank=True)
+    checkpoint_id = models.CharField(max_length=300, blank=True)
+    trace_id = models.CharField(max_length=64, db_index=True)
+    started_at = models.DateTimeField(help_text="when the pause before the update was sent")
+    applied_at = models.DateTimeField(help_text="when every replica had resumed")
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self):
+        return f"{self.endpoint_id} v{self.version}"

@@ -29,8 +29,10 @@ def prewarm_task(endpoint_id: int, n: int = 4) -> bool:
     return result["ok"]
 
 
-def enqueue(kind: str, endpoint) -> None:
-    """Send the health check or pre-warm of this endpoint to a worker. Raises kombu/redis errors when
-    the broker is down (callers answer 503)."""
-    task = check_health_task if kind == "health" else prewarm_task
-    task.delay(endpoint.pk)
+def enqueue(kind: str, endpoint, n: int | None = None) -> None:
+    """Send the health check or pre-warm (of n requests, default 4) of this endpoint to a worker. Raises
+    kombu/redis errors when the broker is down (callers answer 503)."""
+    if kind == "health":
+        check_health_task.delay(endpoint.pk)
+    else:
+        prewarm_task.delay(endpoint.pk, *([] if n is None else [n]))

@@ -39,11 +39,13 @@ def iter_export_rows(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS
     if which != "all":
         qs = qs.filter(status=Rollout.Status.OK if which == "ok" else Rollout.Status.FAILED)
     qs = qs.order_by("task_index", "rollout_index").values_list(
-        "task_index", "rollout_index", "status", "failure_class", "error", "data")
-    for task_index, rollout_index, status, failure_class, error, data in qs.iterator(chunk_size=chunk_size):
+        "task_index", "rollout_index", "status", "failure_class", "error", "data", "weight_version")
+    for task_index, rollout_index, status, failure_class, error, data, wv in qs.iterator(chunk_size=chunk_size):
         row = data if isinstance(data, dict) else {"data": data}
         row.setdefault("_ng_task_index", task_index)
         row.setdefault("_ng_rollout_index", rollout_index)
+        if wv:
+            row.setdefault("weight_version", wv)
         if status == Rollout.Status.FAILED:
             row["failure_class"] = failure_class
             row["error"] = error
@@ -66,16 +68,21 @@ def _iter_ok_lines_pg(job, chunk_size: int) -> Iterator[str]:
     qs = (Rollout.objects.filter(job_id=getattr(job, "pk", job), status=Rollout.Status.OK)
           .order_by("task_index", "rollout_index")
           .annotate(text=Cast("data", output_field=TextField()))
-          .values_list("task_index", "rollout_index", "text"))
-    for task_index, rollout_index, text in qs.iterator(chunk_size=chunk_size):
+          .values_list("task_index", "rollout_index", "text", "weight_version"))
+    for task_index, rollout_index, text, wv in qs.iterator(chunk_size=chunk_size):
         if '"_ng_task_index"' in text and '"_ng_rollout_index"' in text and "\n" not in text:
-            yield text + "\n"
+            if wv and text.endswith("}") and '"weight_version"' not in text:
+                yield text[:-1] + ', "weight_version": ' + json.dumps(wv) + "}\n"  # the rollout's weight version
+            else:
+                yield text + "\n"
         else:
             row = json.loads(text)
             if not isinstance(row, dict):
                 row = {"data": row}
             row.setdefault("_ng_task_index", task_index)
             row.setdefault("_ng_rollout_index", rollout_index)
+            if wv:
+                row.setdefault("weight_version", wv)
             yield _dumps(row)
 
 

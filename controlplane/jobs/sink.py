@@ -18,6 +18,7 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.endpoints.versions import VersionTagger
 from workers.engine.materialize import materialize
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
@@ -180,6 +181,7 @@ class DbSink:
         self.last_tick: ProgressTick | None = None
         self.live: LiveFigures | None = None  # the job's live figures, all chunks summed (events.live_figures)
         self._job_stub = job  # for progress_payload's static fields
+        self.versions = VersionTagger(job.endpoint_id, job.pk)  # weight versions for servers that report none
 
         self._flush_lock: asyncio.Lock | None = None
         self._timer: asyncio.Task | None = None
@@ -196,6 +198,7 @@ class DbSink:
     # -- engine-facing -------------------------------------------------------------------------
     async def rollout(self, result: RolloutResult) -> None:
         self._ensure_started()
+        self.versions.stamp(result)
         self.buffer.append(result)
         self.received += 1
         if len(self.buffer) >= self.flush_rows:
@@ -283,6 +286,7 @@ class DbSink:
     def _write_batch(self, batch: list[RolloutResult]):
         """On the DB thread: insert, bump the job's counters by what was really inserted, heartbeat."""
         now = timezone.now()
+        self.versions.tag(batch)
         rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
         try:
             with transaction.atomic():

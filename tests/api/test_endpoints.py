@@ -69,17 +69,6 @@ def test_delete_and_conflict_when_used(api, alice):
     assert r.status_code == 409 and "job" in r.json()["detail"]
 
 
-@pytest.fixture
-def eager_tasks():
-    """Celery tasks run inline (as a worker would run them) so the test can read their results."""
-    from controlplane.celery import app
-
-    before = app.conf.task_always_eager
-    app.conf.task_always_eager = True
-    yield
-    app.conf.task_always_eager = before
-
-
 def test_health_and_prewarm_against_simulator(api, alice, simulator, eager_tasks):
     ep = make_endpoint(alice, base_url=simulator.url, model_name=simulator.model, api_key="")
     r = api.post(f"/api/endpoints/{ep.pk}/health/")

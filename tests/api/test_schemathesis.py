@@ -71,10 +71,10 @@ def test_api_conforms_to_schema(case, world):
             params["id"] = str(world["dataset"].pk)
         elif path.startswith("/api/endpoints/"):
             params["id"] = str(world["endpoint"].pk)
-    if path == "/api/endpoints/{id}/health/" or path == "/api/endpoints/{id}/prewarm/":
-        # these contact the model server: keep them local and quick
+    if path.startswith("/api/endpoints/{id}/") and path != "/api/endpoints/{id}/":
+        # health, prewarm, admin operations, weight updates contact the model server: keep them local and quick
         world["endpoint"].base_url, world["endpoint"].connect_timeout_s = "http://127.0.0.1:9", 0.2
-        world["endpoint"].request_timeout_s = 0.5
+        world["endpoint"].request_timeout_s, world["endpoint"].max_retries = 0.5, 0
         world["endpoint"].save()
     excluded = [positive_data_acceptance] if f"{case.method.upper()} {path}" in STATEFUL_VALIDITY else []
     case.call_and_validate(headers={"Authorization": f"Token {world['alice'].auth_token.key}"},

@@ -36,16 +36,6 @@ def web(mallory):
     return c
 
 
-@pytest.fixture
-def eager_tasks():
-    from controlplane.celery import app
-
-    before = app.conf.task_always_eager
-    app.conf.task_always_eager = True
-    yield
-    app.conf.task_always_eager = before
-
-
 def task_rows(n: int) -> list[dict]:
     return [{"responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
              "question": f"What is {i} + 1?", "expected_answer": str(i + 1)} for i in range(n)]

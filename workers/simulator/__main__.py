@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*names, dest=f.name, type=float, default=default, metavar="X", help=help_)
         elif f.name == "fault_rates":
             p.add_argument(*names, dest=f.name, default="", metavar="TYPE=RATE,...", help=help_)
+        elif f.name == "admin_faults":
+            p.add_argument(*names, dest=f.name, default="", metavar="ROUTE=FAULT,...", help=help_)
         else:
             p.add_argument(*names, dest=f.name, default=default, help=help_)
     return p
@@ -69,6 +71,8 @@ def config_from_args(argv=None) -> tuple[SimConfig, str, int]:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)}
     try:
         kw["fault_rates"] = parse_fault_rates(kw["fault_rates"])
+        kw["admin_faults"] = dict(p.split("=", 1) for p in kw["admin_faults"].split(",") if "=" in p) \
+            if isinstance(kw["admin_faults"], str) else kw["admin_faults"]
         cfg = SimConfig(**kw).validate()
     except ConfigError as e:
         parser.error(str(e))  # exit status 2, message on stderr

@@ -12,6 +12,9 @@ from typing import Any
 
 # Fault types that can be injected by rate (--fault-rate) or forced per request (X-Sim-Fault header).
 FAULT_TYPES = ("429", "500", "503", "400", "stall", "drop")
+# Admin routes that can be made to fail (knob admin_faults) and how.
+ADMIN_ROUTES = ("pause", "resume", "update_weights", "reset_prefix_cache", "sleep", "wake_up", "health")
+ADMIN_FAULT_TYPES = ("500", "503", "400", "stall")
 
 
 class ConfigError(ValueError):
@@ -54,6 +57,7 @@ class SimConfig:
     # admin
     update_weights_ms: float = _knob(200.0, "time /update_weights takes; token generation is held meanwhile, as on a GPU busy loading weights", "ms")
     unhealthy: bool = _knob(False, "simulate a dead engine: /health and /v1/* answer 503")
+    admin_faults: dict = _knob({}, "forced faults on admin routes, by route name, e.g. {\"update_weights\": \"500\"}; types: " + ", ".join(ADMIN_FAULT_TYPES) + " (stall = never answers until the client gives up); set and clear at runtime with POST /admin/config")
 
     def validate(self) -> "SimConfig":
         def nonneg(name):
@@ -90,6 +94,13 @@ class SimConfig:
         if not isinstance(self.unhealthy, bool):
             raise ConfigError(f"unhealthy must be true or false, got {self.unhealthy!r}")
         self.fault_rates = parse_fault_rates(self.fault_rates)
+        if not isinstance(self.admin_faults, dict):
+            raise ConfigError(f"admin_faults must be an object {{route: fault}}, got {self.admin_faults!r}")
+        for k, v in self.admin_faults.items():
+            if k not in ADMIN_ROUTES:
+                raise ConfigError(f"admin_faults: unknown route {k!r}; known routes: {', '.join(ADMIN_ROUTES)}")
+            if v not in ADMIN_FAULT_TYPES:
+                raise ConfigError(f"admin_faults: fault for {k!r} must be one of {', '.join(ADMIN_FAULT_TYPES)}, got {v!r}")
         return self
 
     def to_dict(self) -> dict:

@@ -10,6 +10,10 @@ when the stream started) and a top-level body field `"weight_version"` (the vers
 finished; in streams it is on the last chunk(s)); Responses API objects also carry it as
 `metadata.weight_version` (a string, as OpenAI metadata values are). A request's `X-Trace-Id` header
 is echoed back.
+
+Admin routes answer with `Server-Timing: rpc;dur=<ms>` (the time the server spent on the request, from
+its handler starting to the response being ready), so a client can split its own wall time into server
+time and client-side queueing. The knob `admin_faults` makes an admin route fail on demand.
 """
 from __future__ import annotations
 
@@ -391,6 +395,33 @@ async def tokenize(request):
 
 
 # ---- RL / admin routes -----------------------------------------------------------------------------
+ADMIN_PATHS = {"/pause": "pause", "/resume": "resume", "/update_weights": "update_weights",
+               "/reset_prefix_cache": "reset_prefix_cache", "/sleep": "sleep", "/wake_up": "wake_up",
+               "/health": "health", "/is_paused": None, "/weight_version": None, "/is_sleeping": None}
+
+
+@web.middleware
+async def admin_timing(request, handler):
+    """Server-Timing on admin routes (rpc_ms for the client), the echoed trace id, injected admin faults."""
+    if request.path not in ADMIN_PATHS:
+        return await handler(request)
+    t0 = time.perf_counter()
+    route = ADMIN_PATHS[request.path]
+    fault = request.app[SIM].cfg.admin_faults.get(route) if route else None
+    if fault == "stall":
+        await asyncio.sleep(STALL_MAX_S)
+    if fault in ("500", "503", "400"):
+        resp = error_response(int(fault), f"{route} failed (simulated admin fault {fault}).",
+                              "BadRequestError" if fault == "400" else "InternalServerError")
+    else:
+        resp = await handler(request)
+    resp.headers["Server-Timing"] = "rpc;dur=%.3f" % ((time.perf_counter() - t0) * 1000)
+    trace = request.headers.get("X-Trace-Id")
+    if trace:
+        resp.headers["X-Trace-Id"] = trace
+    return resp
+
+
 async def pause(request):
     mode = request.query.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
@@ -490,7 +521,7 @@ async def post_config(request):
 # ---- app -------------------------------------------------------------------------------------------
 def create_app(config: SimConfig | None = None) -> web.Application:
     config = (config or SimConfig()).validate()
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[admin_timing])
     app[SIM] = Sim(config)
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)

@@ -1,0 +1,228 @@
+"""Admin operations on an endpoint's replicas, recorded and timed (the dashboard, API, command and CLI
+all come through here).
+
+Every operation goes out through the dedicated admin client (`workers.admin`), never through a rollout
+session, with one trace id for the whole user action; each request to each replica is stored as an
+`AdminOperation` with wall_ms / rpc_ms / queue_ms. Operations block for at most their own timeouts (a
+replica that does not answer is reported as `no_answer`), and never raise on network errors.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from workers.admin import ops
+from workers.admin.client import OpResult, new_trace_id
+from workers.engine.aggregate import quantile
+
+from . import versions
+from .models import AdminOperation, Endpoint, WeightVersion
+from .services import normalize_base_url, redact_text
+
+KINDS = [k for k, _ in AdminOperation.Kind.choices]
+SIMPLE_KINDS = ("health", "reset_prefix_cache", "pause", "resume", "sleep", "wake_up", "prewarm")
+STATS_WINDOW = 2000  # the latest operations per kind that percentiles are taken over
+MAX_PREWARM = 1024
+
+
+class AdminOpError(ValueError):
+    """The operation cannot be sent as asked (bad parameter, hosted API without admin routes)."""
+
+
+def queue_alert_ms() -> float:
+    return float(getattr(settings, "ADMIN_QUEUE_ALERT_MS", 1000.0))
+
+
+def _client_kw(endpoint) -> dict:
+    return {"api_key": endpoint.api_key or None, "connect_timeout_s": min(endpoint.connect_timeout_s, 10.0),
+            "max_retries": min(endpoint.max_retries, 3)}
+
+
+def _urls(endpoint) -> list[str]:
+    return [normalize_base_url(u) for u in endpoint.all_base_urls]
+
+
+def _status(r: OpResult) -> str:
+    if r.ok:
+        return AdminOperation.Status.OK
+    return AdminOperation.Status.NO_ANSWER if r.timed_out else AdminOperation.Status.FAILED
+
+
+def _record(endpoint, results: list[OpResult], *, params: dict, source: str, user) -> list[AdminOperation]:
+    from datetime import datetime, timezone as dt_tz
+
+    rows = [AdminOperation(
+        endpoint=endpoint, trace_id=r.trace_id, kind=r.kind, replica=r.replica[:500], status=_status(r),
+        http_status=r.status, error=redact_text(r.error, endpoint.api_key), wall_ms=r.wall_ms, rpc_ms=r.rpc_ms,
+        queue_ms=r.queue_ms, connect_ms=r.connect_ms, rpc_source=r.rpc_source, attempts=min(r.attempts, 32767),
+        params=params, source=source[:20], requested_by=user if getattr(user, "pk", None) else None,
+        created_at=datetime.fromtimestamp(r.started_at, dt_tz.utc)) for r in results]
+    return AdminOperation.objects.bulk_create(rows)
+
+
+def _op_dict(r: OpResult, api_key: str | None) -> dict:
+    return {"kind": r.kind, "replica": r.replica, "status": _status(r), "ok": r.ok, "http_status": r.status,
+            "error": redact_text(r.error, api_key), "wall_ms": r.wall_ms, "rpc_ms": r.rpc_ms,
+            "queue_ms": r.queue_ms, "attempts": r.attempts, "timed_out": r.timed_out}
+
+
+def _check_admin_capable(endpoint) -> None:
+    if endpoint.kind == Endpoint.Kind.OPENAI:
+        raise AdminOpError("this endpoint is a hosted OpenAI-compatible API: it has no admin routes")
+
+
+def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
+                  count: int | None = None, user=None, source: str = "api") -> dict:
+    """health | prewarm (count) | reset_prefix_cache | pause (mode) | resume | sleep (level) | wake_up on
+    every replica. Returns {"trace_id", "kind", "ok", "operations": [...], "unanswered": [urls]}."""
+    if kind not in SIMPLE_KINDS:
+        raise AdminOpError(f"unknown operation {kind!r}; known: {', '.join(SIMPLE_KINDS)} (and update_weights)")
+    if kind != "prewarm" and kind != "health":
+        _check_admin_capable(endpoint)
+    urls = _urls(endpoint)
+    trace_id = new_trace_id()
+    params: dict[str, Any] = {}
+    if kind == "pause":
+        mode = mode or "keep"
+        if mode not in ops.PAUSE_MODES:
+            raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {mode!r}")
+        params["mode"] = mode
+        fn = lambda c: ops.pause(c, urls, mode, trace_id=trace_id)  # noqa: E731
+    elif kind == "sleep":
+        level = 1 if level is None else level
+        if level not in (1, 2):
+            raise AdminOpError(f"sleep level must be 1 or 2, got {level!r}")
+        params["level"] = level
+        fn = lambda c: ops.sleep(c, urls, level, trace_id=trace_id)  # noqa: E731
+    elif kind == "prewarm":
+        count = len(urls) * 4 if count is None else count
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_PREWARM:
+            raise AdminOpError(f"pre-warm count must be an integer between 0 and {MAX_PREWARM}, got {count!r}")
+        params["count"] = count
+        fn = lambda c: ops.prewarm(c, urls, count, model=endpoint.model_name, flavor=endpoint.api_flavor,  # noqa: E731
+                                   trace_id=trace_id)
+    else:
+        fn = lambda c: ops.simple(c, urls, kind, trace_id=trace_id)  # noqa: E731
+    results = ops.run(fn, **_client_kw(endpoint))
+    _record(endpoint, results, params=params, source=source, user=user)
+    out = {"trace_id": trace_id, "kind": kind, "params": params, "ok": all(r.ok for r in results),
+           "operations": [_op_dict(r, endpoint.api_key) for r in results],
+           "unanswered": sorted({r.replica for r in results if r.timed_out})}
+    if kind == "prewarm":
+        out["sent"] = len(results)
+        out["succeeded"] = sum(r.ok for r in results)
+    return out
+
+
+# ------------------------------------------------------------------------------------ weight updates
+def current_version(endpoint) -> str:
+    """The endpoint's weight version as the control plane knows it: the latest applied update's, else ''."""
+    return WeightVersion.objects.filter(endpoint=endpoint).values_list("version", flat=True).first() or ""
+
+
+def _next_version(endpoint) -> int:
+    versions = WeightVersion.objects.filter(endpoint=endpoint).values_list("version", flat=True)[:50]
+    nums = [int(v) for v in versions if str(v).isdigit()]
+    return max(nums, default=0) + 1
+
+
+def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
+                   pause_mode: str = "keep", server: str | None = None, user=None, source: str = "api") -> dict:
+    """pause(keep) -> update -> resume on every replica (resume always sent). When every replica took the
+    new weights, records the new `WeightVersion` (given, or the last + 1). Returns the report with the
+    version, failed / unanswered / not-resumed replicas and every request's timings."""
+    _check_admin_capable(endpoint)
+    path, checkpoint_id = (path or "").strip(), (checkpoint_id or "").strip()
+    if not path and not checkpoint_id:
+        raise AdminOpError("give the new weights: a path or a checkpoint id")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        raise AdminOpError(f"version must be an integer >= 0, got {version!r}")
+    if pause_mode not in ops.PAUSE_MODES:
+        raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {pause_mode!r}")
+    if server is not None and server not in ops.SERVER_KINDS:
+        raise AdminOpError(f"server must be one of {', '.join(ops.SERVER_KINDS)}, got {server!r}")
+    urls = _urls(endpoint)
+    previous = current_version(endpoint)
+    new_version = version if version is not None else _next_version(endpoint)
+    trace_id = new_trace_id()
+
+    async def go(client):
+        kind = server or await ops.detect_server(client, urls[0])
+        return kind, await ops.update_weights(client, urls, server=kind, path=path, checkpoint_id=checkpoint_id,
+                                              version=new_version, trace_id=trace_id, pause_mode=pause_mode)
+
+    server_kind, report = ops.run(go, **_client_kw(endpoint))
+    params = {"path": path, "checkpoint_id": checkpoint_id, "version": str(new_version), "pause_mode": pause_mode,
+              "server": server_kind}
+    updates = [s for s in report.steps if s.kind == "update_weights"]
+    applied = len(updates) == len(urls) and all(s.ok for s in updates)
+    with transaction.atomic():
+        _record(endpoint, report.steps, params=params, source=source, user=user)
+        wv = None
+        if applied:
+            from datetime import datetime, timezone as dt_tz
+
+            started = min(s.started_at for s in report.steps)
+            wv = WeightVersion.objects.create(
+                endpoint=endpoint, version=str(new_version), previous_version=previous, weights_path=path[:1000],
+                checkpoint_id=checkpoint_id[:300], trace_id=trace_id,
+                started_at=datetime.fromtimestamp(started, dt_tz.utc), applied_at=timezone.now())
+            endpoint_id = endpoint.pk
+            transaction.on_commit(lambda: versions.backfill(endpoint_id))  # rows stored before the history existed
+    return {"trace_id": trace_id, "ok": report.ok, "applied": applied, "server": server_kind,
+            "version": str(new_version) if wv else previous, "previous_version": previous,
+            "requested_version": str(new_version), "failed_replicas": report.failed_replicas,
+            "unanswered_replicas": report.unanswered_replicas, "not_resumed": report.not_resumed,
+            "operations": [_op_dict(s, endpoint.api_key) for s in report.steps]}
+
+
+# ------------------------------------------------------------------------------------ reading back
+def operations(endpoint, *, trace_id: str = "", kind: str = "", limit: int = 200):
+    qs = AdminOperation.objects.filter(endpoint=endpoint)
+    if trace_id:
+        qs = qs.filter(trace_id__startswith=trace_id.strip().lower())
+    if kind:
+        qs = qs.filter(kind=kind)
+    return qs[:limit]
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return round(quantile(values, q), 3) if values else None
+
+
+def timing_stats(endpoint) -> list[dict]:
+    """Per kind, over its latest STATS_WINDOW answered operations: n and p50/p95/p99 of queue, rpc, wall;
+    `alerts`: how many of them had queue_ms above the alert threshold, `worst_queue_ms`."""
+    threshold = queue_alert_ms()
+    out = []
+    for kind in KINDS:
+        rows = list(AdminOperation.objects.filter(endpoint=endpoint, kind=kind).exclude(wall_ms=None)
+                    .values_list("queue_ms", "rpc_ms", "wall_ms")[:STATS_WINDOW])
+        if not rows:
+            continue
+        stats: dict[str, Any] = {"kind": kind, "n": len(rows), "threshold_ms": threshold}
+        for i, name in enumerate(("queue_ms", "rpc_ms", "wall_ms")):
+            vals = sorted(r[i] for r in rows if r[i] is not None and not math.isnan(r[i]))
+            for q in (0.5, 0.95, 0.99):
+                stats[f"{name}_p{int(q * 100)}"] = _p(vals, q)
+        queued = [r[0] for r in rows if r[0] is not None]
+        stats["alerts"] = sum(q > threshold for q in queued)
+        stats["worst_queue_ms"] = max(queued, default=None)
+        out.append(stats)
+    return out
+
+
+def queue_alerts(endpoint, *, limit: int = 20):
+    """The latest operations whose queue_ms passed the threshold (what the dashboard warns about)."""
+    return AdminOperation.objects.filter(endpoint=endpoint, queue_ms__gt=queue_alert_ms())[:limit]
+
+
+def operation_dict(op: AdminOperation) -> dict:
+    return {"id": op.pk, "endpoint": op.endpoint_id, "trace_id": op.trace_id, "kind": op.kind, "replica": op.replica,
+            "status": op.status, "http_status": op.http_status, "error": op.error, "wall_ms": op.wall_ms,
+            "rpc_ms": op.rpc_ms, "queue_ms": op.queue_ms, "connect_ms": op.connect_ms, "rpc_source": op.rpc_source,
+            "attempts": op.attempts, "params": op.params, "source": op.source, "created_at": op.created_at.isoformat()}

@@ -1,0 +1,271 @@
+"""Admin operations from the control plane (API, dashboard, command) against the simulator, and the weight
+versions of a job's rollouts."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db.models import Count
+from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from controlplane.endpoints import admin_ops
+from controlplane.endpoints.models import AdminOperation, WeightVersion
+from controlplane.endpoints.versions import VersionTagger
+from controlplane.jobs import services
+from controlplane.jobs.export import iter_export_lines
+from controlplane.jobs.models import JobState, Rollout
+from controlplane.jobs.runtime import run_job_inline
+from workers.engine.types import RolloutResult
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def api(user):
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    return c
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_factory):
+    a, b = simulator_factory(update_weights_ms=50), simulator_factory(update_weights_ms=50)
+    ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url])
+    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"checkpoint_id": "step-100"}, format="json")
+    assert r.status_code == 200, r.content
+    out = r.json()
+    assert out["applied"] and out["ok"] and out["server"] == "simulator"
+    assert out["version"] == "1" and out["previous_version"] == ""
+    assert [o["kind"] for o in out["operations"]] == ["pause", "update_weights", "resume"] * 2
+    for sim in (a, b):  # every replica took the version the control plane assigned, and generates again
+        assert sim.get_json("/weight_version")["weight_version"] == 1
+        assert sim.get_json("/is_paused")["is_paused"] is False
+    # the next update without a version is numbered after it; an explicit version is kept
+    assert api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/200"}, format="json").json()["version"] == "2"
+    assert api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/x", "version": 10},
+                    format="json").json()["version"] == "10"
+    assert list(WeightVersion.objects.filter(endpoint=ep).values_list("version", flat=True)) == ["10", "2", "1"]
+    # stored: six operations per update with one trace id, timed, rpc from the server's Server-Timing
+    ops = AdminOperation.objects.filter(endpoint=ep, trace_id=out["trace_id"])
+    assert ops.count() == 6 and set(ops.values_list("status", flat=True)) == {"ok"}
+    upd = ops.filter(kind="update_weights").first()
+    assert upd.rpc_source == "server-timing" and upd.rpc_ms >= 45 and upd.wall_ms >= upd.rpc_ms
+    assert upd.queue_ms == pytest.approx(upd.wall_ms - upd.rpc_ms, abs=0.01)
+    assert upd.params["checkpoint_id"] == "step-100" and upd.source == "api"
+    # searchable by trace id (a prefix is enough), with percentiles per kind
+    log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"trace_id": out["trace_id"][:10]}).json()
+    assert len(log["operations"]) == 6 and {o["trace_id"] for o in log["operations"]} == {out["trace_id"]}
+    stats = {s["kind"]: s for s in api.get(f"/api/endpoints/{ep.pk}/admin/stats/").json()["stats"]}
+    assert stats["update_weights"]["n"] == 6 and stats["update_weights"]["rpc_ms_p50"] >= 45
+    assert stats["pause"]["queue_ms_p99"] is not None
+
+
+def test_bad_update_requests_are_refused_and_send_nothing(api, user, sim_endpoint, simulator):
+    ep = sim_endpoint(simulator.url, owner=user)
+    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {}, format="json")
+    assert r.status_code == 400 and "path" in r.json()
+    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/x", "pause_mode": "sideways"}, format="json")
+    assert r.status_code == 400
+    hosted = sim_endpoint(simulator.url, owner=user, kind="openai", name="hosted")
+    r = api.post(f"/api/endpoints/{hosted.pk}/weights/", {"path": "/x"}, format="json")
+    assert r.status_code == 400 and "no admin routes" in json.dumps(r.json())
+    assert not AdminOperation.objects.exists()
+
+
+def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator_factory):
+    sim = simulator_factory()
+    sim.configure(admin_faults={"update_weights": "503"})
+    ep = sim_endpoint(sim.url, owner=user, max_retries=1)
+    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/bad"}, format="json")
+    assert r.status_code == 502
+    out = r.json()
+    assert not out["applied"] and out["failed_replicas"] == [sim.url] and out["not_resumed"] == []
+    assert [(o["kind"], o["status"]) for o in out["operations"]] == [
+        ("pause", "ok"), ("update_weights", "failed"), ("resume", "ok")]
+    assert out["operations"][1]["attempts"] == 2 and out["operations"][1]["http_status"] == 503
+    assert sim.get_json("/is_paused")["is_paused"] is False
+    assert not WeightVersion.objects.exists() and out["version"] == ""
+    assert AdminOperation.objects.filter(kind="resume", status="ok", trace_id=out["trace_id"]).count() == 1
+
+
+def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, simulator_factory, settings):
+    good, stuck = simulator_factory(), simulator_factory()
+    stuck.configure(admin_faults={"pause": "stall", "health": "stall"})
+    dead = _dead_url()
+    ep = sim_endpoint(good.url, owner=user, replica_urls=[stuck.url, dead], max_retries=0, connect_timeout_s=1)
+    from workers.admin import client as admin_client
+
+    old = dict(admin_client.DEFAULT_TIMEOUTS_S)
+    admin_client.DEFAULT_TIMEOUTS_S.update(pause=1.0, health=1.0)
+    try:
+        t0 = time.monotonic()
+        r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/3"}, format="json")
+        out = r.json()
+        assert time.monotonic() - t0 < 15
+        assert r.status_code == 502 and out["unanswered_replicas"] == [stuck.url]
+        assert set(out["failed_replicas"]) == {stuck.url, dead}
+        statuses = {(o["replica"], o["kind"]): o["status"] for o in out["operations"]}
+        assert statuses[(stuck.url, "pause")] == "no_answer" and statuses[(stuck.url, "resume")] == "ok"
+        assert statuses[(dead, "pause")] == "failed" and statuses[(good.url, "update_weights")] == "ok"
+        h = api.post(f"/api/endpoints/{ep.pk}/admin/health/", {}, format="json").json()
+        assert h["ok"] is False and h["unanswered"] == [stuck.url]
+    finally:
+        admin_client.DEFAULT_TIMEOUTS_S.clear()
+        admin_client.DEFAULT_TIMEOUTS_S.update(old)
+
+
+def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simulator_factory, capsys, eager_tasks):
+    a, b = simulator_factory(), simulator_factory()
+    ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url], name="two-sims")
+    r = api.post(f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "abort"}, format="json").json()
+    assert r["ok"] and r["params"] == {"mode": "abort"}
+    assert a.get_json("/is_paused") == {"is_paused": True, "mode": "abort"}
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/resume/", {}, format="json").json()["ok"]
+    assert b.get_json("/is_paused")["is_paused"] is False
+    r = api.post(f"/api/endpoints/{ep.pk}/admin/prewarm/", {"count": 7}, format="json").json()
+    assert r["sent"] == 7 and r["succeeded"] == 7
+    # the older prewarm action (run in a worker) honours its count too
+    assert api.post(f"/api/endpoints/{ep.pk}/prewarm/", {"count": 3}, format="json").status_code == 202
+    ep.refresh_from_db()
+    assert ep.last_prewarm["sent"] == 3
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/sleep/", {"level": 2}, format="json").json()["ok"]
+    assert a.get_json("/is_sleeping")["is_sleeping"] is True
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/wake_up/", {}, format="json").json()["ok"]
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/teleport/", {}, format="json").status_code == 404
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "x"}, format="json").status_code == 400
+
+    call_command("endpoint_admin", "two-sims", "update_weights", "--checkpoint-id", "ck-9", "--weight-version", "9")
+    assert "ok, version 9" in capsys.readouterr().out
+    assert a.get_json("/weight_version")["weight_version"] == 9
+    a.configure(admin_faults={"reset_prefix_cache": "500"})
+    with pytest.raises(CommandError, match="failed on a replica"):
+        call_command("endpoint_admin", str(ep.pk), "reset_prefix_cache")
+    call_command("endpoint_admin", str(ep.pk), "stats")
+    assert "update_weights" in capsys.readouterr().out
+    kinds = set(AdminOperation.objects.filter(endpoint=ep).values_list("kind", flat=True))
+    assert kinds == {"pause", "resume", "prewarm", "sleep", "wake_up", "update_weights", "reset_prefix_cache"}
+    assert set(AdminOperation.objects.filter(endpoint=ep).values_list("source", flat=True)) == {"api", "command"}
+
+
+def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, user, sim_endpoint, simulator, settings):
+    ep = sim_endpoint(simulator.url, owner=user)
+    client.force_login(user)
+    r = client.post(f"/endpoints/{ep.pk}/admin/update_weights/", {"checkpoint_id": "ck-1", "version": "4"})
+    assert r.status_code == 302 and "?trace=" in r["Location"]
+    trace = r["Location"].split("?trace=")[1]
+    page = client.get(r["Location"]).content.decode()
+    assert "weights updated to version 4" in page and page.count(f'title="{trace}"') == 3
+    assert 'id="current-version">4<' in page
+    client.post(f"/endpoints/{ep.pk}/admin/reset_prefix_cache/")
+    page = client.get(f"/endpoints/{ep.pk}/").content.decode()
+    assert 'data-kind="update_weights"' in page and 'data-kind="reset_prefix_cache"' in page
+    assert 'id="queue-alert"' not in page  # nothing queued past 1,000 ms on an idle loopback server
+    # an operation that queued on the client side past the threshold raises the alert
+    AdminOperation.objects.create(endpoint=ep, trace_id="slowtrace0001", kind="update_weights", replica=simulator.url,
+                                  status="ok", wall_ms=8600, rpc_ms=20, queue_ms=8580, created_at=timezone.now())
+    page = client.get(f"/endpoints/{ep.pk}/").content.decode()
+    assert 'id="queue-alert"' in page and "8580 ms" in page
+    settings.ADMIN_QUEUE_ALERT_MS = 10_000
+    assert 'id="queue-alert"' not in client.get(f"/endpoints/{ep.pk}/").content.decode()
+    # search by trace id narrows the log to that operation
+    page = client.get(f"/endpoints/{ep.pk}/", {"trace": "slowtrace"}).content.decode()
+    assert page.count('title="slowtrace0001"') == 1 and f'title="{trace}"' not in page
+    r = client.post(f"/endpoints/{ep.pk}/admin/pause/", {"mode": "sideways"}, follow=True)
+    assert "pause mode must be one of" in r.content.decode()
+
+
+def test_a_job_spanning_two_weight_versions(api, client, user, math_dataset, sim_endpoint, simulator_factory, tmp_path):
+    sim = simulator_factory(seed=4, ttft_ms=40, itl_ms=2, update_weights_ms=100)
+    ep = sim_endpoint(sim.url, owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(60), endpoint=ep, num_repeats=2, launch=False,
+                              num_samples_in_parallel=4, responses_create_params={"max_output_tokens": 8})
+    box = {}
+
+    def run():
+        try:
+            box["job"] = run_job_inline(job)
+        finally:
+            from django.db import connection
+            connection.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while Rollout.objects.filter(job=job).count() < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/step-1"}, format="json")
+    assert r.status_code == 200, r.content
+    t.join(120)
+    job = box["job"]
+    assert job.state == JobState.COMPLETED and job.completed_count == 120  # nothing lost across the update
+    by_version = dict(Rollout.objects.filter(job=job).values_list("weight_version").annotate(n=Count("id")))
+    assert set(by_version) == {"0", "1"} and sum(by_version.values()) == 120
+    assert by_version["0"] >= 30 and by_version["1"] >= 1
+
+    out = api.get(f"/api/jobs/{job.pk}/weight-versions/").json()
+    assert out["current"] == "1" and out["tagged"] == 120 and out["untagged"] == 0
+    rows = {v["version"]: v for v in out["versions"]}
+    assert rows["0"]["total"] == by_version["0"] and rows["0"]["lag"] == 1
+    assert rows["1"]["total"] == by_version["1"] and rows["1"]["lag"] == 0
+    assert out["stale"] == by_version["0"] and out["max_lag"] == 1
+
+    client.force_login(user)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="weight-versions"' in page
+    assert f'<tr data-version="0"><th>0</th><td class="count">{by_version["0"]}</td>' in page
+    assert f'<tr data-version="1"><th>1</th><td class="count">{by_version["1"]}</td>' in page
+    # exports carry each rollout's version
+    lines = [json.loads(x) for x in iter_export_lines(job, "ok")]
+    assert len(lines) == 120 and {x["weight_version"] for x in lines} == {"0", "1"}
+
+
+def test_servers_without_a_version_are_tagged_by_dispatch_time(user, sim_endpoint):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    now = timezone.now()
+    WeightVersion.objects.create(endpoint=ep, version="1", previous_version="", trace_id="t1",
+                                 started_at=now - timedelta(seconds=100), applied_at=now - timedelta(seconds=99))
+    WeightVersion.objects.create(endpoint=ep, version="2", previous_version="1", trace_id="t2",
+                                 started_at=now - timedelta(seconds=10), applied_at=now - timedelta(seconds=9))
+    tagger = VersionTagger(ep.pk)
+
+    def result(wall_s, version=""):
+        r = RolloutResult(task_index=0, rollout_index=0, ok=True, output_row={}, wall_ms=wall_s * 1000,
+                          weight_version=version)
+        tagger.stamp(r)
+        return r
+
+    batch = [result(200), result(50), result(5), result(5, version="7")]
+    tagger.tag(batch)
+    # dispatched before any update: the version before the first; then each update from its pause on
+    assert [r.weight_version for r in batch] == ["0", "1", "2", "7"]
+    assert admin_ops.current_version(ep) == "2"
+
+
+def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(user, sim_endpoint, math_dataset):
+    from controlplane.endpoints.versions import backfill
+
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    now = timezone.now()
+    # (stored seconds ago, wall seconds): dispatched 60 s ago; 20 s ago; 4 s ago (stored after the pause)
+    for i, (ago, wall) in enumerate([(50, 10), (19, 1), (3, 1), (1, 0)]):
+        Rollout.objects.create(job=job, task_index=i, rollout_index=0, status="ok", data={}, wall_ms=wall * 1000,
+                               created_at=now - timedelta(seconds=ago), weight_version="7" if i == 3 else "")
+    WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t", started_at=now - timedelta(seconds=5),
+                                 applied_at=now)
+    assert backfill(ep.pk) == 3
+    got = dict(Rollout.objects.filter(job=job).values_list("task_index", "weight_version"))
+    assert got == {0: "0", 1: "0", 2: "1", 3: "7"}  # a version the server reported is kept
