@@ -384,6 +384,7 @@ def _history_rows(user, days: int | None):
 
         live_means = dict(Rollout.objects.filter(job_id__in=missing, status=Rollout.Status.OK)
                           .values("job_id").annotate(m=Avg("reward")).values_list("job_id", "m"))
+    ran = live.parallelism_run(j.pk for j in jobs)
     rows = []
     for j in jobs:
         el = live.elapsed_s(j)
@@ -395,6 +396,7 @@ def _history_rows(user, days: int | None):
             "elapsed_s": el,
             "samples_per_s": (j.done_count / el) if el else None,
             "mean_reward": rm if rm is not None else live_means.get(j.pk),
+            "parallelism": ran.get(j.pk),  # what it actually ran at (min / mean / max)
         })
     return rows
 
@@ -409,7 +411,8 @@ def history(request):
         resp["Content-Disposition"] = 'attachment; filename="throughput_log.csv"'
         w = csv.writer(resp)
         w.writerow(["date", "job_id", "name", "state", "dataset", "model", "num_samples_in_parallel", "rollouts",
-                    "elapsed_sec", "samples_per_sec", "avg_reward"])
+                    "elapsed_sec", "samples_per_sec", "avg_reward", "parallelism_run_mean", "parallelism_run_min",
+                    "parallelism_run_max"])
         for r in rows:
             j = r["job"]
             w.writerow([r["date"].isoformat(), j.pk, csv_cell(j.name), j.state, csv_cell(j.dataset.name),
@@ -417,7 +420,9 @@ def history(request):
                         j.num_samples_in_parallel, r["rollouts"],
                         f"{r['elapsed_s']:.3f}" if r["elapsed_s"] is not None else "",
                         f"{r['samples_per_s']:.4f}" if r["samples_per_s"] is not None else "",
-                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else ""])
+                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else "",
+                        *((r["parallelism"]["mean"], r["parallelism"]["min"], r["parallelism"]["max"])
+                          if r["parallelism"] else ("", "", ""))])
         return resp
     chart = {
         "t": [int(r["date"].timestamp()) for r in rows],

@@ -109,8 +109,8 @@ def start_daphne(env: dict, timeout=30.0) -> tuple[Proc, str]:
     return start_web(env, "uvicorn", timeout)
 
 
-def start_celery(env: dict, concurrency=2, timeout=60.0) -> Proc:
-    name = f"dashtest{os.getpid()}@%h"
+def start_celery(env: dict, concurrency=2, timeout=60.0, name: str | None = None) -> Proc:
+    name = f"{name or 'dashtest'}{os.getpid()}@%h"
     p = Proc("celery", [str(VENV_BIN / "celery"), "-A", "controlplane", "worker", "-P", "threads", "-c", str(concurrency),
                         "-l", "info", "-n", name, "--without-gossip", "--without-mingle"], env)
     deadline = time.monotonic() + timeout

@@ -190,6 +190,7 @@ class _Run:
         self.tick_finished = 0
         self.tick_tokens = 0
         self.tick_errors: Counter = Counter()
+        self.tick_replica_errors: Counter = Counter()
         self.last_tick = self.t0
 
     # ---------------------------------------------------------------- feeding
@@ -433,6 +434,8 @@ class _Run:
                 return await self._attempt(url, body, result), False
             except _AttemptError as err:
                 self.tick_errors[err.failure_class] += 1
+                if err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT):
+                    self.tick_replica_errors[self.base_urls[idx]] += 1  # names a dead or hung replica
                 if not err.retryable or attempt >= ep.max_retries:
                     result.failure_class = err.failure_class
                     retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
@@ -581,6 +584,9 @@ class _Run:
             extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(), "resident": self.resident.used,
                    "max_in_flight": self.max_in_flight_seen, "interval_s": dt},
         )
+        if len(self.base_urls) > 1:
+            tick.extra["replica_errors"] = dict(self.tick_replica_errors)
+            self.tick_replica_errors = Counter()
         self.tick_ok = self.tick_finished = self.tick_tokens = 0
         self.tick_errors = Counter()
         self.max_in_flight_seen = self.in_flight
@@ -692,12 +698,7 @@ async def run_collection(
     return await run.run(tasks)
 
 
-def run_collection_sync(
-    spec: CollectionSpec,
-    tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
-    sink: Sink,
-    control: Control | None = None,
-    verify_pool: VerifyPool | None = None,
-) -> RunSummary:
-    """`run_collection` in a fresh event loop (for threads, Celery tasks and scripts)."""
-    return asyncio.run(run_collection(spec, tasks, sink, control, verify_pool))
+def run_collection_sync(*args, **kwargs) -> RunSummary:
+    """`run_collection(spec, tasks, sink, control=None, verify_pool=None)` in a fresh event loop (for threads,
+    Celery tasks and scripts)."""
+    return asyncio.run(run_collection(*args, **kwargs))
