@@ -245,6 +245,9 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Every free-text string's schema says DRF refuses NUL characters (and lone surrogates).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "controlplane.api.schema_hooks.strings_refuse_nul"],
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
                             "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
                             "PauseModeEnum": "workers.admin.ops.PAUSE_MODES"},

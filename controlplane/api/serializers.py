@@ -1,6 +1,7 @@
 """Serializers: shape and validate; no domain logic here (that lives in the apps' services)."""
 from __future__ import annotations
 
+from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from django.core.validators import RegexValidator
@@ -166,9 +167,12 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
     replica_urls = serializers.ListField(child=serializers.CharField(max_length=500, validators=[validate_base_url]),
                                          required=False,
                                          max_length=256, help_text="Extra replica base URLs")
-    request_timeout_s = serializers.FloatField(min_value=0.1, max_value=86400, required=False)
-    connect_timeout_s = serializers.FloatField(min_value=0.1, max_value=3600, required=False)
-    max_retries = serializers.IntegerField(min_value=0, max_value=100, required=False)
+    # the operator's bounds (controlplane.limits checks them again in validate(), for every way in)
+    request_timeout_s = serializers.FloatField(min_value=0.1, max_value=settings.ENDPOINT_MAX_REQUEST_TIMEOUT_S,
+                                               required=False)
+    connect_timeout_s = serializers.FloatField(min_value=0.1, max_value=settings.ENDPOINT_MAX_CONNECT_TIMEOUT_S,
+                                               required=False)
+    max_retries = serializers.IntegerField(min_value=0, max_value=settings.ENDPOINT_MAX_RETRIES, required=False)
     rpm_limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
     tpm_limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
 
@@ -242,15 +246,15 @@ class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
     endpoint = VisiblePrimaryKeyField(visible_endpoints, help_text="Endpoint id")
     limit = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True, default=None,
                                      help_text="Keep the first N dataset rows")
-    num_repeats = serializers.IntegerField(min_value=1, max_value=10000, default=1)
-    num_samples_in_parallel = serializers.IntegerField(min_value=1, max_value=65536, default=16)
+    num_repeats = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_NUM_REPEATS, default=1)
+    num_samples_in_parallel = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_PARALLELISM, default=16)
     parallelism_auto = serializers.BooleanField(default=False)
     responses_create_params = serializers.DictField(required=False, default=dict,
                                                     help_text="Overrides merged into every row (temperature, top_p, max_output_tokens, ...)")
     verifier = serializers.ChoiceField(choices=_known_verifiers(), default="math")
     verifier_options = serializers.DictField(required=False, default=dict)
     verify_mode = serializers.ChoiceField(choices=CollectionJob.VerifyMode.choices, default="inline")
-    chunk_size = serializers.IntegerField(min_value=1, max_value=10_000_000, default=5000)
+    chunk_size = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_CHUNK_SIZE, default=5000)
     profiling_enabled = serializers.BooleanField(default=False)
 
     def validate_dataset(self, value):

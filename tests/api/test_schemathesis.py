@@ -22,7 +22,10 @@ MAX_EXAMPLES = 10
 # be refused with 400: credentials (token), the *content* of an uploaded file (every line is validated),
 # and references to stored objects (a job's dataset must exist, be visible and be ready). Every other
 # check still runs on them (no 5xx, conforming status codes, content types and bodies, ...).
-STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/"}
+# Endpoint URLs too: whether a host is allowed depends on what it resolves to (http://0 is 0.0.0.0) and
+# on the operator's allow-list.
+STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/",
+                     "POST /api/endpoints/", "PUT /api/endpoints/{id}/", "PATCH /api/endpoints/{id}/"}
 
 
 @pytest.fixture

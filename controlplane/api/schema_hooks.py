@@ -1,0 +1,33 @@
+"""OpenAPI post-processing: say in the schema what DRF enforces on every string.
+
+DRF's CharField refuses NUL characters (and JSON cannot carry lone surrogates through to the database),
+so every free-text string in the schema gets a pattern that excludes them; a client generating input
+from the schema (schemathesis does) then never sends a value the API must refuse. Strings that already
+carry a pattern, an enum or a format (dates, binary, uri...) are left as they are."""
+from __future__ import annotations
+
+NO_NUL_PATTERN = r"^[^\x00\ud800-\udfff]*$"
+
+
+def _mark(node) -> None:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+            continue
+        if not isinstance(n, dict):
+            continue
+        if n.get("type") == "string" and not ({"pattern", "enum", "format"} & n.keys()) and not n.get("readOnly"):
+            n["pattern"] = NO_NUL_PATTERN
+        stack.extend(v for k, v in n.items() if k not in ("example", "examples", "default"))
+
+
+def strings_refuse_nul(result, generator, request, public):
+    _mark(result.get("components", {}).get("schemas", {}))
+    for path in result.get("paths", {}).values():
+        for op in path.values():
+            if isinstance(op, dict):
+                _mark(op.get("parameters", []))
+                _mark(op.get("requestBody", {}))
+    return result
