@@ -16,7 +16,7 @@ def _in_main_thread():
 @register
 class MathVerifier(Verifier):
     name = "math"
-    cpu_bound = True
+    kind = "cpu"
 
     def verify(self, row, response_text, options):
         from math_verify import parse, verify
