@@ -10,4 +10,4 @@ from . import match as _match  # noqa: F401  (registers exact / normalized)
 from . import math as _math  # noqa: F401  (registers math)
 from . import mcqa as _mcqa  # noqa: F401  (registers mcqa)
 from . import codeexec as _codeexec  # noqa: F401  (registers code)
-
+from . import judge as _judge  # noqa: F401  (registers judge)
