@@ -11,18 +11,21 @@ says which one is in use and the code verifier reports it with every result.
 from __future__ import annotations
 
 import os
-import random
 import resource
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
 PYTHON = "/usr/bin/python3"
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
-_UID_BASE, _UID_SPAN = 200000, 50000  # throwaway uids (root workers only); never in /etc/passwd
+_UID_BASE, _UID_SPAN = 200000, 64000  # throwaway uids (root workers only); never in /etc/passwd
+_UID_PER_PROCESS = 64  # uids a process hands out: base + (pid % 1000) * 64 + slot; never two runs on one uid
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
 _mode: str | None = None
 _mode_reason = ""
 
@@ -127,19 +130,51 @@ def _own_process_count() -> int:
     return n
 
 
+def _take_uid() -> int:
+    first = _UID_BASE + (os.getpid() % 1000) * _UID_PER_PROCESS
+    with _uid_lock:
+        while True:
+            for uid in range(first, first + _UID_PER_PROCESS):
+                if uid not in _uids_in_use:
+                    _uids_in_use.add(uid)
+                    return uid
+            _uid_lock.release()  # more runs at once than slots: wait for one to end
+            time.sleep(0.05)
+            _uid_lock.acquire()
+
+
+def _uid_pids(uid: int) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if uid is not None:  # anything that escaped the group (setsid) still runs under the throwaway uid
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    if os.stat(f"/proc/{pid}").st_uid == uid:
-                        os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
+    if uid is None:
+        return
+    # anything that escaped the group (setsid, the sandbox's own session) still runs under the throwaway
+    # uid: kill it and wait until the kernel has reaped it, so the uid is clean for its next run
+    deadline = time.monotonic() + 10
+    while True:
+        pids = _uid_pids(uid)
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
 
 
 def run_python(code: str, stdin: str = "", limits: Limits | None = None) -> RunResult:
@@ -147,7 +182,7 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None) -> RunR
     limits = limits or Limits()
     sandbox, _ = mode()
     root = os.geteuid() == 0
-    uid = _UID_BASE + random.randrange(_UID_SPAN) if root else None
+    uid = _take_uid() if root else None
     tmp = tempfile.mkdtemp(prefix="verify-")
     try:
         work = os.path.join(tmp, "work")
@@ -188,9 +223,13 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None) -> RunR
                 rc = proc.wait(timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_all(proc, uid)
             if timed_out:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 rc = proc.wait()
+            _kill_all(proc, uid)
         wall = time.monotonic() - t0
         stdout = _read(out_path, limits.output_bytes)
         stderr = _read(err_path, 20_000)
@@ -211,6 +250,9 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None) -> RunR
         return RunResult(status, rc, stdout, stderr, wall)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if uid is not None:
+            with _uid_lock:
+                _uids_in_use.discard(uid)
 
 
 def _cpu_exhausted(wall: float, limits: Limits) -> bool:
