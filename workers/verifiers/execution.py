@@ -63,6 +63,8 @@ class VerifyExecutor:
             self.fields = self.fields + ("question", "responses_create_params.input")
         self.pooled = pooled
         self.concurrency = max(1, int(concurrency))
+        if isinstance(self.options.get("concurrency"), int) and self.options["concurrency"] >= 1:
+            self.concurrency = self.options["concurrency"]  # the verifier's own limit (a judge's endpoint)
         self.threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="verify-io") if self.kind == "io" else None
         self.sem = asyncio.Semaphore(self.concurrency) if self.kind in ("io", "remote") else None
         self.cache: dict[str, asyncio.Future] = {}
