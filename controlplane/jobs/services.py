@@ -48,12 +48,14 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
             errors[name] = f"{name} must be an integer >= 1, not {value!r}"
     if verify_mode not in CollectionJob.VerifyMode.values:
         errors["verify_mode"] = f"verify_mode must be one of {', '.join(CollectionJob.VerifyMode.values)}"
-    try:
-        from workers.verifiers import get_verifier
+    if not errors.get("dataset") and isinstance(verifier_options, dict):  # verifier, options, rows' fields
+        from .verification import check_dataset_fields, check_verifier
 
-        get_verifier(verifier)
-    except ValueError as exc:
-        errors["verifier"] = str(exc)
+        try:
+            v, opts = check_verifier(verifier, verifier_options)
+            check_dataset_fields(dataset, v, opts, n_rows=limit if isinstance(limit, int) else None)
+        except ValidationError as exc:
+            errors.update(exc.message_dict)
     if not isinstance(responses_create_params, dict):
         errors["responses_create_params"] = "must be an object"
     if not isinstance(verifier_options, dict):
@@ -65,7 +67,7 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
 def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
                parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
                verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
-               output_path="", launch=True):
+               output_path="", launch=True, verify_cache="job"):
     """Create a CollectionJob (and its chunks) and, when launch, dispatch it to Celery. Returns the job.
     With an idempotency_key already used by this owner, returns the existing job instead."""
     if idempotency_key:
@@ -74,6 +76,8 @@ def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_sampl
             return existing
     responses_create_params = {} if responses_create_params is None else responses_create_params
     verifier_options = {} if verifier_options is None else verifier_options
+    if verify_cache not in ("off", "job", "global"):
+        raise ValidationError({"verify_cache": f"verify_cache must be off, job or global, not {verify_cache!r}"})
     _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
               chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
               responses_create_params=responses_create_params, verifier_options=verifier_options)
@@ -87,7 +91,7 @@ def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_sampl
                 responses_create_params=responses_create_params, verifier=verifier,
                 verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
                 idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
-                output_path=output_path, total_rollouts=n_rows * num_repeats,
+                output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
             )
             JobChunk.objects.bulk_create(
                 [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))

@@ -151,3 +151,17 @@ class VerifyExecutor:
                 await close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def verify_items(items: list[tuple]) -> list[tuple]:
+    """In a pool process: verify several (name, row, text, options, fast) items. One entry per item, in
+    order: (True, VerifyResult) or (False, exception type name, message)."""
+    from .base import verify_row
+
+    out: list[tuple] = []
+    for name, row, text, options, fast in items:
+        try:
+            out.append((True, verify_row(name, row, text, options, fast)))
+        except Exception as exc:  # noqa: BLE001  (reported per rollout as a verifier error)
+            out.append((False, type(exc).__name__, str(exc)))
+    return out
