@@ -112,7 +112,8 @@ def job_state(request, job_id):
     return JsonResponse(out)
 
 
-JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed"}
+JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed",
+               "verify": None}  # verify: controlplane.jobs.verification
 
 
 @login_required
@@ -123,11 +124,15 @@ def job_action(request, job_id, action):
         raise Http404("unknown action")
     from controlplane.jobs import services
 
-    fn = getattr(services, JOB_ACTIONS[action])
+    fn = getattr(services, JOB_ACTIONS[action]) if action != "verify" else None
+    if fn is None:
+        from controlplane.jobs.verification import start_verification as fn
     try:
         fn(job)
     except InvalidTransition as e:
         messages.error(request, str(e))
+    except ValidationError as e:
+        messages.error(request, "; ".join(e.messages))
     except NotImplementedError:
         messages.error(request, f"{action} is not available yet")
     else:

@@ -295,3 +295,23 @@ def summary(job) -> dict | None:
             "errors": run.errors, "cache_hit_rate": (run.cache_hits / run.cache_lookups) if run.cache_lookups else None,
             "attempts": run.attempts, "info": run.info, "error": run.error_message,
             "started_at": run.started_at, "finished_at": run.finished_at}
+
+
+def collection_cache(job) -> dict:
+    """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
+    from .models import JobMetricSample
+
+    hits = lookups = 0
+    for worker in JobMetricSample.objects.filter(job=job).values_list("worker", flat=True).distinct():
+        last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()
+        hits += int((last or {}).get("verify_cache_hits") or 0)
+        lookups += int((last or {}).get("verify_cache_lookups") or 0)
+    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None}
+
+
+def panel_context(job) -> dict:
+    run = summary(job)
+    return {"run": run, "collection_cache": collection_cache(job),
+            "can_verify": job.state == JobState.COMPLETED and job.verifier not in ("", "none")
+            and not (run and run["state"] in ("pending", "running")),
+            "needs_verify": job.verify_mode in ("deferred", "fast") and not (run and run["state"] == "done")}
