@@ -154,8 +154,8 @@ class Client:
             body["verifier"] = verifier
         if options is not None:
             body["verifier_options"] = options
-        _, job = self.post_json(f"jobs/{int(job_id)}/verify/", body, retry=True)  # idempotent: an active run is reused
-        return job
+        # idempotent: an active run is reused, so a retried request starts nothing twice
+        return self.request("POST", f"jobs/{int(job_id)}/verify/", json=body, retry=True, expect=(202,)).json()
 
     def iter_export(self, job_id: int, which: str = "ok", chunk_bytes: int = 1 << 16) -> Iterator[bytes]:
         resp = self.request("GET", f"jobs/{int(job_id)}/export/", params={"which": which}, stream=True,
