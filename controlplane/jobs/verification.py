@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import threading
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -142,6 +143,30 @@ def reclaim_stale(dispatch_again=True) -> list[int]:
 
 
 # --- running --------------------------------------------------------------------------------
+class _Heartbeat(threading.Thread):
+    """Keeps the lease fresh while a batch is being verified (a batch can take longer than the lease
+    timeout on a busy machine; without this the watchdog would hand a live run out again)."""
+
+    def __init__(self, run_id, lease):
+        super().__init__(name=f"verify-heartbeat-{run_id}", daemon=True)
+        self.run_id, self.lease = run_id, lease
+        self.stop = threading.Event()
+        self.interval = max(0.5, min(5.0, settings.JOBS_LEASE_TIMEOUT_S / 4))
+
+    def run(self):
+        from django.db import connection
+
+        try:
+            while not self.stop.wait(self.interval):
+                try:
+                    VerificationRun.objects.filter(pk=self.run_id, lease_owner=self.lease,
+                                                   state=VerificationRun.State.RUNNING).update(heartbeat_at=timezone.now())
+                except Exception:  # noqa: BLE001  (a missed beat is retried; the lease timeout is the judge)
+                    logger.exception("verification heartbeat failed")
+        finally:
+            connection.close()
+
+
 def _pool(size):
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -217,6 +242,8 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         concurrency=ex.concurrency if ex.kind in ("io", "remote") else None)
         VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(info=run.info)
         loop = asyncio.new_event_loop()
+        heartbeat = _Heartbeat(run.pk, lease)
+        heartbeat.start()
         batches = 0
         t0, done0 = time.monotonic(), run.verified
         try:
@@ -263,6 +290,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                 if stop_after_batches is not None and batches >= stop_after_batches:
                     return "stopped"
         finally:
+            heartbeat.stop.set()
             loop.run_until_complete(ex.aclose())
             loop.close()
             if pool is not None:
