@@ -26,53 +26,17 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from workers.engine.convert import response_text
-from workers.verifiers import get_verifier
-from workers.verifiers.execution import VerifyExecutor, verify_items
-from workers.verifiers.registry import describe_missing, missing_fields
+from workers.verifiers.execution import VerifyExecutor, cache_key, verify_items
 
-from .models import CollectionJob, JobState, Rollout, VerificationRun
+from . import services
+from .events import publish_job_state
+from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
+from .verifier_checks import check_verifier
 
 logger = logging.getLogger(__name__)
 
 BATCH = 500
 _OUTPUT_KEYS = {"response", "reward", "_ng_task_index", "_ng_rollout_index"}
-
-
-# --- checks at launch -------------------------------------------------------------------------
-def check_verifier(name, options):
-    """The verifier and its validated options; ValidationError {"verifier" | "verifier_options": msg}."""
-    try:
-        verifier = get_verifier(name)
-    except ValueError as exc:
-        raise ValidationError({"verifier": str(exc)}) from None
-    try:
-        return verifier, verifier.validate_options(options if isinstance(options, dict) else {})
-    except ValueError as exc:
-        raise ValidationError({"verifier_options": str(exc)}) from None
-
-
-def check_dataset_fields(dataset, verifier, options, n_rows=None, limit=100):
-    """ValidationError naming the line numbers of rows (of the first n_rows) that lack a field the verifier
-    needs. The filter runs in the database; only the offending rows are read."""
-    from controlplane.datasets.models import DatasetRow
-
-    required = verifier.required(options)
-    if not required:
-        return
-    lacking = Q()
-    for field in required:
-        parts = field.split(".")
-        for i, leaf in enumerate(parts):  # each level: a missing parent makes the nested test NULL, not false
-            lacking |= ~Q(**{"__".join(["data", *parts[:i]]) + "__has_key": leaf})
-    qs = DatasetRow.objects.filter(dataset=dataset)
-    if n_rows is not None:
-        qs = qs.filter(index__lt=n_rows)
-    bad = qs.filter(lacking).order_by("index")
-    rows = bad.values_list("line_number", "data")[:limit]
-    count = bad.count() if len(rows) >= limit else len(rows)
-    n, report = missing_fields(required, rows, limit=limit)
-    if report:
-        raise ValidationError({"dataset": describe_missing(verifier.name, max(count, n), report)})
 
 
 # --- starting --------------------------------------------------------------------------------
@@ -84,8 +48,6 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     if existing is not None:
         return existing
     if job.state != JobState.COMPLETED:
-        from .models import InvalidTransition
-
         raise InvalidTransition(f"cannot verify a job that is {job.state}: verification runs over a completed job")
     name = verifier or job.verifier
     if not name or name == "none":
@@ -101,13 +63,11 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     return run
 
 
+VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
+
+
 def dispatch(run):
-    def send():
-        from .tasks import verify_job_task
-
-        verify_job_task.delay(run.pk)
-
-    transaction.on_commit(send)
+    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk))
 
 
 # --- lease ----------------------------------------------------------------------------------
@@ -186,7 +146,6 @@ async def _verify_batch(ex: VerifyExecutor, pool, items):
         keys, todo, results = {}, [], [None] * len(items)
         for i, (row, text) in enumerate(items):
             if ex.cache_mode != "off":
-                from workers.verifiers.execution import cache_key
                 k = cache_key(ex.name, ex.options, ex.fast, text, row, ex.fields)
                 ex.lookups += 1
                 if k in keys:
@@ -218,9 +177,6 @@ async def _verify_batch(ex: VerifyExecutor, pool, items):
 def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batches=None) -> str:
     """Run (or resume) one verification run to its end. Returns "done", "busy", "skipped", "lost_lease"
     or "failed". `stop_after_batches` stops early (for tests of resumption)."""
-    from . import services
-    from .events import publish_job_state
-
     run = VerificationRun.objects.select_related("job").filter(pk=run_id).first()
     if run is None or run.state in (VerificationRun.State.DONE, VerificationRun.State.FAILED):
         return "skipped"
@@ -327,8 +283,6 @@ def summary(job) -> dict | None:
 
 def collection_cache(job) -> dict:
     """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
-    from .models import JobMetricSample
-
     hits = lookups = 0
     for worker in JobMetricSample.objects.filter(job=job).values_list("worker", flat=True).distinct():
         last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()

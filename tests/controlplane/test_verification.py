@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ValidationError
 
-from controlplane.jobs import services, verification
+from controlplane.jobs import runtime, services, verification
 from controlplane.jobs.models import JobState, Rollout, VerificationRun
 from workers.engine.convert import response_text
 from workers.verifiers import verify_row
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def _job(user, ds, ep, **kw):
     job = services.create_job(owner=user, dataset=ds, endpoint=ep, launch=False, **kw)
-    services.run_job_inline(job)
+    runtime.run_job_inline(job)
     job.refresh_from_db()
     assert job.state == JobState.COMPLETED, job.error_message
     return job

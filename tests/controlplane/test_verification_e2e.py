@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from controlplane.jobs import services, verification
+from controlplane.jobs import runtime, services, verification
 from controlplane.jobs.models import JobState, Rollout, VerificationRun
 from workers.engine.convert import response_text
 
@@ -37,7 +37,7 @@ def _collect(user, ds, ep, mode):
     job = services.create_job(owner=user, dataset=ds, endpoint=ep, verify_mode=mode, verifier="math",
                               num_samples_in_parallel=64, chunk_size=N, launch=False,
                               responses_create_params={"max_output_tokens": 12})
-    services.run_job_inline(job)
+    runtime.run_job_inline(job)
     job.refresh_from_db()
     assert job.state == JobState.COMPLETED and job.completed_count == N, job.error_message
     return job

@@ -10,7 +10,7 @@ from django.urls import reverse
 from controlplane.jobs import verification
 from controlplane.jobs.models import CollectionJob, VerificationRun
 
-from .conftest import make_dataset, make_endpoint, make_job
+from tests.factories import make_dataset, make_endpoint, make_job
 
 
 
