@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from controlplane.datasets.models import Dataset
+from controlplane.diagnostics.models import ParallelismSweep
+from controlplane.endpoints.models import Endpoint
+from controlplane.jobs.models import CollectionJob
+
 
 def _visible(qs: QuerySet, user) -> QuerySet:
     if not getattr(user, "is_authenticated", False):
@@ -15,21 +20,19 @@ def _visible(qs: QuerySet, user) -> QuerySet:
 
 
 def visible_datasets(user):
-    from controlplane.datasets.models import Dataset
-
     return _visible(Dataset.objects.all(), user)
 
 
 def visible_endpoints(user):
-    from controlplane.endpoints.models import Endpoint
-
     return _visible(Endpoint.objects.all(), user)
 
 
 def visible_jobs(user):
-    from controlplane.jobs.models import CollectionJob
-
     return _visible(CollectionJob.objects.all(), user)
+
+
+def visible_sweeps(user):
+    return _visible(ParallelismSweep.objects.all(), user)
 
 
 def can_see(user, obj) -> bool:

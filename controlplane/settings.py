@@ -3,12 +3,13 @@
 Laptop defaults: a SQLite file under var/, Redis on localhost. Production: set DATABASE_URL
 (PostgreSQL), REDIS_URL, DJANGO_SECRET_KEY, DJANGO_ALLOWED_HOSTS and DJANGO_DEBUG=false.
 """
+import os
 from pathlib import Path
 
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = BASE_DIR / "var"
+VAR_DIR = Path(os.environ.get("CONTROLPLANE_VAR_DIR") or BASE_DIR / "var")  # the embedded database, logs, ...
 VAR_DIR.mkdir(exist_ok=True)
 
 env = environ.Env()

@@ -252,6 +252,11 @@ def do_verify(client: Client, args) -> tuple[dict, int]:
     return job, EXIT_OK
 
 
+def jsonl_path(path: str) -> str:
+    """`out/rollouts` -> `out/rollouts.jsonl`; a name with an extension is kept as it is."""
+    return path if os.path.splitext(os.path.basename(path))[1] else path + ".jsonl"
+
+
 def _sidecar(path: str, suffix: str, ext: str) -> str:
     stem = path[:-6] if path.endswith(".jsonl") else path
     return f"{stem}{suffix}{ext}"
@@ -266,11 +271,28 @@ def do_run_exports(client: Client, job: dict, path: str) -> None:
         json.dump(job.get("aggregate_metrics") or {}, fh, indent=2, sort_keys=True)
 
 
-def do_gate(job: dict, gates: list[dict]) -> int:
+DEFAULT_MAX_FAILED_FRACTION = 0.05
+
+
+def failed_rows_gate(job: dict, max_failed_fraction: float) -> list[str]:
+    """Aggregates such as mean/reward are over the successful rows only: a gate on them fails when more than
+    `max_failed_fraction` of the job's rows failed (1 turns this off)."""
+    fraction = lookup_metric(job, "failed_fraction")
+    if fraction is None or fraction <= max_failed_fraction:
+        return []
+    v, t = _fmt_pair(fraction, max_failed_fraction)
+    return [f"gate failed: failed_fraction = {v} > max {t} ({job['progress'].get('failed')} of "
+            f"{job['progress'].get('total')} rows failed and are not in the aggregates; --max-failed-fraction 1 "
+            "ignores them)"]
+
+
+def do_gate(job: dict, gates: list[dict], max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION) -> int:
     if job["state"] != "completed":
         log(f"gate failed: job {job['id']} is {job['state']}, not completed")
         return EXIT_GATE
     failures = evaluate_gates(job, gates)
+    if not any(g["metric"] == "failed_fraction" for g in gates):  # an explicit failed_fraction gate decides alone
+        failures += failed_rows_gate(job, max_failed_fraction)
     for gate in gates:
         if not any(f" {gate['metric']} " in msg for msg in failures):
             log(_gate_ok_line(job, gate))
@@ -334,6 +356,9 @@ def _add_gates(p, required=False):
                    help="metric to gate on, e.g. mean/reward (repeatable; each followed by --min and/or --max)")
     p.add_argument("--min", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is below")
     p.add_argument("--max", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is above")
+    p.add_argument("--max-failed-fraction", type=float, default=DEFAULT_MAX_FAILED_FRACTION, metavar="F",
+                   help="the gates also fail when more than this fraction of rows failed (failed rows are not in "
+                        f"mean/reward and the other aggregates; default {DEFAULT_MAX_FAILED_FRACTION}, 1 turns it off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a job's rollouts (NeMo Gym JSONL) to a file, streamed")
     _add_connection(p)
     p.add_argument("job", type=int)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, type=jsonl_path, help="output file (.jsonl added when the name "
+                                                                          "has no extension)")
     p.add_argument("--which", choices=["ok", "failed", "all"], default="ok")
 
     p = sub.add_parser("verify", help="verify this job: a batch run over its stored rollouts (deferred / fast jobs)")
@@ -378,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_submit(p)
     _add_wait(p)
     _add_gates(p)
-    p.add_argument("-o", "--output", help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json")
+    p.add_argument("-o", "--output", type=jsonl_path,
+                   help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json (.jsonl is added "
+                        "when the name has no extension)")
     return parser
 
 
@@ -409,7 +437,7 @@ def main(argv=None) -> int:
                               progress=not args.no_progress)
             return code
         if args.command == "gate":
-            return do_gate(client.job(args.job), args.gates)
+            return do_gate(client.job(args.job), args.gates, args.max_failed_fraction)
         if args.command == "export":
             do_export(client, args.job, args.output, args.which)
             return EXIT_OK
@@ -427,7 +455,7 @@ def main(argv=None) -> int:
                 do_run_exports(client, job, args.output)  # what was collected, even when the job failed
             if code != EXIT_OK:
                 return code
-            return do_gate(job, args.gates) if args.gates else EXIT_OK
+            return do_gate(job, args.gates, args.max_failed_fraction) if args.gates else EXIT_OK
     except ApiError as exc:
         log(f"rolloutctl: API error: {exc}")
         return EXIT_API

@@ -41,6 +41,14 @@ def _describe(body: Any) -> str:
     return text if len(text) <= 2000 else text[:2000] + "…"
 
 
+def endpoint_matches(ep: dict, base_url: str, model: str, api_flavor: str | None, api_key: str | None) -> bool:
+    """An existing endpoint serves a single-URL request only when it is that URL alone: same model, flavor and
+    key presence, and no replicas (an endpoint with replicas would spread the job over other servers)."""
+    return (ep["base_url"].rstrip("/") == base_url.rstrip("/") and ep["model_name"] == model
+            and not ep.get("replica_urls") and (api_flavor is None or ep["api_flavor"] == api_flavor)
+            and ep["has_api_key"] == bool(api_key))
+
+
 class Client:
     def __init__(self, url: str, token: str | None, *, timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, retries: int = 4, backoff_s: float = 0.5,
@@ -126,8 +134,7 @@ class Client:
                                 api_key: str | None = None, name: str | None = None) -> tuple[dict, bool]:
         wanted = base_url.rstrip("/")
         for ep in self.get_json("endpoints/"):
-            if ep["base_url"].rstrip("/") == wanted and ep["model_name"] == model and \
-                    (api_flavor is None or ep["api_flavor"] == api_flavor) and ep["has_api_key"] == bool(api_key):
+            if endpoint_matches(ep, wanted, model, api_flavor, api_key):
                 return ep, False
         body = {"name": name or f"{model} @ {wanted}"[:200], "base_url": wanted, "model_name": model}
         if api_flavor:

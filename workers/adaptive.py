@@ -19,7 +19,7 @@ The algorithm works for any endpoint (hosted APIs have no /metrics) and says why
 3. Back off at once on:
    - 429s (>= 1% of attempts, at most once per two latencies): to the concurrency that sustains the
      accepted rate, Little's law: accepted rollouts/s over the last 5 s x the model's request latency x 1.2,
-     plus one (the seed's "RPM/60 x latency"); already there: hold, and go no higher; many 429s there: x0.85;
+     plus one (the rate-limit guide's "RPM/60 x latency"); already there: hold, and go no higher; many 429s there: x0.85;
    - timeouts / 5xx / connection errors (>= 2%): x0.7;
    - vLLM preemptions (server out of KV cache): x0.85; a waiting queue at the server with a full KV cache:
      trim by the queue length;

@@ -1,4 +1,4 @@
-"""Parallelism sweep: seed 000's quick diagnostic ("run at 5 and at 20"), automated into a curve.
+"""Parallelism sweep: the profiling guide's quick diagnostic ("run at 5 and at 20"), automated into a curve.
 
 The same sample of tasks is run at parallelism 1, 2, 4 ... up to `max_parallelism` with the engine's
 `run_collection`; each level gets `max(min_tasks, waves * parallelism)` rollouts cycled from the sample, so
@@ -9,7 +9,7 @@ levels in a row) or when errors appear (error rate above `error_threshold`).
 
 Result: the curve (parallelism, rollouts/s, p50/p99 latency, error rate), the knee (the smallest
 parallelism reaching `knee_fraction` of the best throughput), a recommended setting, and what the curve
-means in the seed's words:
+means in the profiling guide's words:
   time fell a lot         -> the model was the bottleneck (raise parallelism up to the knee)
   time similar            -> verification or network is the bottleneck (optimize infrastructure)
   errors or crashes       -> infrastructure overloaded (reduce parallelism)
@@ -51,7 +51,7 @@ class SweepPoint:
     p99_ms: float | None
     error_rate: float
     errors: dict = field(default_factory=dict)
-    time_per_100_s: float | None = None  # seed 000's "time": seconds to collect 100 rollouts at this rate
+    time_per_100_s: float | None = None  # the profiling guide's "time": seconds to collect 100 rollouts at this rate
     model_ms: float | None = None  # mean TTFT + generation
     verify_ms: float | None = None
 

@@ -146,6 +146,7 @@ validate_base_url = RegexValidator(BASE_URL_REGEX, "Enter a valid http(s) URL, e
 # a visible character, and neither NUL nor lone surrogates (DRF refuses those): the schema says all of it
 NOT_BLANK = RegexValidator(r"^[^\x00\ud800-\udfff]*[^\s\x00\ud800-\udfff][^\x00\ud800-\udfff]*$",
                            "must contain a visible character, and no NUL or surrogate characters")
+NO_NUL = RegexValidator(r"^[^\x00\ud800-\udfff]*$", "must not contain NUL or surrogate characters")
 
 
 class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
@@ -157,7 +158,7 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
     base_url = serializers.CharField(max_length=500, validators=[validate_base_url],
                                      help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
     api_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500,
-                                    style={"input_type": "password"},
+                                    validators=[NO_NUL], style={"input_type": "password"},
                                     help_text="Write-only: never returned; see has_api_key")
     has_api_key = serializers.BooleanField(read_only=True)
     owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)

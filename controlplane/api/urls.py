@@ -4,6 +4,7 @@ from rest_framework.routers import DefaultRouter
 
 from . import views
 from .auth import ObtainTokenView
+from .conventions import ID_REGEX
 
 app_name = "api"
 
@@ -18,8 +19,8 @@ urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api:schema"), name="docs"),
     path("redoc/", SpectacularRedocView.as_view(url_name="api:schema"), name="redoc"),
-    re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/rollouts/$", views.JobRolloutsView.as_view(), name="job-rollouts"),
-    re_path(rf"^jobs/(?P<job_id>{views.ID_REGEX})/metrics/$", views.JobMetricsView.as_view(), name="job-metrics"),
+    re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/rollouts/$", views.JobRolloutsView.as_view(), name="job-rollouts"),
+    re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/metrics/$", views.JobMetricsView.as_view(), name="job-metrics"),
     path("", include(router.urls)),
     # other apps' API routes mount here, before the catch-all
     path("", include("controlplane.diagnostics.urls")),

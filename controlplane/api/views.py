@@ -6,13 +6,11 @@ import io
 import logging
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db import IntegrityError
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import generics, mixins, status, viewsets
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import JSONParser, MultiPartParser
@@ -21,42 +19,21 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
-from controlplane.jobs.models import CollectionJob, JobMetricSample, Rollout
+from controlplane.datasets import services as dataset_services
+from controlplane.endpoints import services as endpoint_services
+from controlplane.jobs import services as job_services
+from controlplane.jobs.export import iter_export_lines
+from controlplane.jobs.models import JobMetricSample, Rollout
 
 from . import serializers as s
-from .exceptions import Conflict, api_exception_handler
+from .conventions import READ_ERRORS, ApiMixin, errors
+from .exceptions import Conflict
 from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
 from .parsers import JSONLinesParser, NDJSONParser, NDJSONRenderer
 
 log = logging.getLogger(__name__)
 
-ID_REGEX = r"[0-9]{1,18}"  # fits a bigint; anything else is a 404, never a database error
 NDJSON = "application/x-ndjson"
-
-
-def errors(*codes):
-    """Documented error responses (DRF bodies: {"detail": ...}; 400 carries field errors)."""
-    out = {}
-    for code in codes:
-        if code == 400:
-            out[400] = OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors, by field")
-        else:
-            out[code] = OpenApiResponse(s.ErrorSerializer, description={
-                401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
-                409: "Conflicts with the object's current state", 429: "Throttled"}.get(code, ""))
-    return out
-
-
-READ_ERRORS = (401, 404, 429)
-
-
-class ApiMixin:
-    # Token first, so an anonymous request gets 401 with `WWW-Authenticate: Token`.
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
-    lookup_value_regex = ID_REGEX
-
-    def get_exception_handler(self):
-        return api_exception_handler
 
 
 def _query(serializer_cls, request):
@@ -109,8 +86,6 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                    **errors(401, 429)},
     )
     def create(self, request, *args, **kwargs):
-        from controlplane.datasets import services
-
         if request.content_type.split(";")[0].strip() in (NDJSONParser.media_type, JSONLinesParser.media_type):
             params = _query(s.DatasetUploadQuerySerializer, request)
             fileobj = request.data.get("file") or io.BytesIO(b"")  # an empty body has no stream
@@ -126,10 +101,10 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
             source_filename = getattr(fileobj, "name", "") or ""
         name = (params.get("name") or source_filename or f"upload {timezone.now():%Y-%m-%d %H:%M:%S}")[:200]
         try:
-            dataset = services.ingest_jsonl(fileobj, name=name, owner=request.user,
+            dataset = dataset_services.ingest_jsonl(fileobj, name=name, owner=request.user,
                                             accept_partial=params.get("accept_partial", False),
                                             source_filename=source_filename[:500])
-        except services.DatasetValidationError as exc:
+        except dataset_services.DatasetValidationError as exc:
             return Response(_rejection_body(exc), status=status.HTTP_400_BAD_REQUEST)
         if params.get("description") and not dataset.description:
             dataset.description = params["description"]
@@ -140,20 +115,16 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
         n = instance.jobs.count()
         if n:
             raise Conflict(f"dataset {instance.pk} is used by {n} job(s); delete those jobs first")
-        from controlplane.datasets.services import delete_dataset
-
-        delete_dataset(instance)  # ProtectedError from a job created meanwhile also answers 409
+        dataset_services.delete_dataset(instance)  # ProtectedError from a job created meanwhile also answers 409
 
     @extend_schema(summary="Preview dataset rows", parameters=[s.RowsQuerySerializer],
                    responses={200: s.DatasetRowsSerializer, **errors(400, *READ_ERRORS)})
     @action(detail=True, methods=["get"])
     def rows(self, request, pk=None):
-        from controlplane.datasets.services import iter_rows
-
         dataset = self.get_object()
         q = _query(s.RowsQuerySerializer, request)
         start = q["offset"]
-        rows = [{"index": i, "data": row} for i, row in iter_rows(dataset, start, start + q["limit"])]
+        rows = [{"index": i, "data": row} for i, row in dataset_services.iter_rows(dataset, start, start + q["limit"])]
         return Response({"dataset": dataset.pk, "row_count": dataset.row_count, "offset": start,
                          "limit": q["limit"], "rows": rows})
 
@@ -214,10 +185,8 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
                    responses={200: s.EndpointHealthSerializer, **errors(*READ_ERRORS)})
     @action(detail=True, methods=["post"])
     def health(self, request, pk=None):
-        from controlplane.endpoints.services import check_health
-
         endpoint = self.get_object()
-        result = check_health(endpoint)
+        result = endpoint_services.check_health(endpoint)
         endpoint.refresh_from_db(fields=["last_health", "last_health_at"])
         health = result if isinstance(result, dict) else (endpoint.last_health or {"result": result})
         return Response({"endpoint": endpoint.pk, "health": health, "checked_at": endpoint.last_health_at})
@@ -226,10 +195,8 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
                    responses={200: s.EndpointPrewarmSerializer, **errors(*READ_ERRORS)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
-        from controlplane.endpoints.services import prewarm
-
         endpoint = self.get_object()
-        result = prewarm(endpoint)
+        result = endpoint_services.prewarm(endpoint)
         return Response({"endpoint": endpoint.pk, "result": result if result is not None else {}})
 
 
@@ -287,31 +254,21 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
                    **errors(400, 401, 409, 429)},
     )
     def create(self, request, *args, **kwargs):
-        from controlplane.jobs import services
-
         key = request.headers.get("Idempotency-Key") or None
         if key is not None and (len(key) > 200 or "\x00" in key):
             raise ValidationError({"Idempotency-Key": ["at most 200 characters"]})
         ser = s.JobCreateSerializer(data=request.data, context=self.get_serializer_context())
         ser.is_valid(raise_exception=True)
         data = ser.validated_data
-        if key:
-            existing = CollectionJob.objects.filter(owner=request.user, idempotency_key=key).first()
-            if existing is not None:
-                return self._replay(existing, data)
         try:
-            job = services.create_job(owner=request.user, idempotency_key=key, launch=True, **data)
-        except IntegrityError:
-            # a concurrent request with the same key won the race
-            existing = key and CollectionJob.objects.filter(owner=request.user, idempotency_key=key).first()
-            if existing:
-                return self._replay(existing, data)
-            raise
+            job, created = job_services.get_or_create_job(owner=request.user, idempotency_key=key, launch=True, **data)
         except DjangoValidationError as exc:
             raise ValidationError(exc.message_dict if hasattr(exc, "error_dict") else
                                   {"non_field_errors": exc.messages}) from exc
         except ValueError as exc:
             raise ValidationError({"non_field_errors": [str(exc)]}) from exc
+        if not created:
+            return self._replay(job, data)
         return Response(s.JobDetailSerializer(job).data, status=status.HTTP_201_CREATED)
 
     def _replay(self, job, data):
@@ -320,11 +277,9 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         return Response(s.JobDetailSerializer(job).data, status=status.HTTP_200_OK)
 
     def _transition(self, request, service_name):
-        from controlplane.jobs import services
-
         job = self.get_object()
         self._job_for_error = job
-        getattr(services, service_name)(job)
+        getattr(job_services, service_name)(job)
         job.refresh_from_db()
         return Response(s.JobDetailSerializer(job).data)
 
@@ -378,7 +333,6 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     def export(self, request, pk=None):
         job = self.get_object()
         which = _query(s.ExportQuerySerializer, request)["which"]
-        from controlplane.jobs.export import iter_export_lines
         response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
                                          content_type=f"{NDJSON}; charset=utf-8")
         suffix = {"ok": "", "failed": "_failures", "all": "_all"}[which]

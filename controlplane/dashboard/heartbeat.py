@@ -14,6 +14,8 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from workers.telemetry.host import GpuSampler
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = float(os.environ.get("WORKER_HEARTBEAT_INTERVAL_S", "5"))
@@ -24,39 +26,14 @@ _state: dict = {}
 
 
 def gpu_snapshot() -> list[dict]:
-    """GPUs through NVML where present; an empty list on hosts without one."""
+    """GPUs through NVML (the telemetry's GpuSampler) where present; an empty list on hosts without one."""
+    sampler = GpuSampler()
     try:
-        import pynvml
-    except Exception:  # noqa: BLE001
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver / no GPU
-        return []
-    out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            util = pynvml.nvmlDeviceGetUtilizationRates(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            out.append(
-                {
-                    "index": i,
-                    "name": name.decode() if isinstance(name, bytes) else str(name),
-                    "util_percent": util.gpu,
-                    "mem_used_mb": round(mem.used / 2**20),
-                    "mem_total_mb": round(mem.total / 2**20),
-                }
-            )
-    except Exception as e:  # noqa: BLE001
-        log.debug("NVML query failed: %s", e)
+        return [{"index": g["index"], "name": g.get("name", ""), "util_percent": round(g.get("util", 0)),
+                 "mem_used_mb": round(g.get("mem_used_mb", 0)), "mem_total_mb": round(g.get("mem_total_mb", 0))}
+                for g in sampler.sample() or []]
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-    return out
+        sampler.close()
 
 
 def host_snapshot() -> dict:

@@ -11,8 +11,8 @@ from django.db.models import Avg, Count
 
 from controlplane.jobs.models import Rollout
 from workers.engine.aggregate import quantile
+from workers.engine.types import TIMING_FIELDS
 
-TIMING_FIELDS = ["queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"]
 PERCENTILES = [50, 90, 99]
 LIVE_SAMPLE = 5000
 
@@ -89,19 +89,65 @@ def _normalize_timing_summary(summary: dict) -> list[dict]:
     return rows
 
 
+# stage -> (label, what it measures): the table's row names and their tooltips
+TIMING_LABELS = {
+    "queue": ("slot wait", "From the task being read ahead (prefetched, up to 2 x parallelism) until a parallelism "
+                           "slot took it, plus client-side rate-limit pacing. Not time on the model server: it is "
+                           "large when num_samples_in_parallel is the limit, since tasks are read ahead of free slots."),
+    "ttft": ("TTFT", "Request sent -> first generated token (streaming), or the whole request (not streaming)."),
+    "generation": ("generation", "First -> last generated token (streaming only)."),
+    "verify": ("verify", "Time in the verifier, including the hop to its process pool."),
+    "wall": ("wall", "Slot taken -> verified: the rollout's own time, with retries and backoff (slot wait excluded)."),
+}
+
+
+def _labelled(rows: list[dict]) -> list[dict]:
+    for row in rows:
+        row["label"], row["help"] = TIMING_LABELS.get(row["field"], (row["field"], ""))
+    return rows
+
+
 def timing_breakdown(job) -> dict:
     """Per-rollout timing percentiles: the stored summary, else the latest LIVE_SAMPLE rollouts."""
     if job.timing_summary:
         rows = _normalize_timing_summary(job.timing_summary)
         if rows:
-            return {"source": "stored", "rows": rows, "sample": None}
+            return {"source": "stored", "rows": _labelled(rows), "sample": None}
     live = live_sample_stats(job)
     rows = []
     for field in TIMING_FIELDS:
         st = live["fields"][field]
         rows.append({"field": field.removesuffix("_ms"), "count": st["count"], "mean": st["mean"],
                      "p50": st["p50"], "p90": st["p90"], "p99": st["p99"]})
-    return {"source": "live", "rows": rows, "sample": live["sample"]}
+    return {"source": "live", "rows": _labelled(rows), "sample": live["sample"]}
+
+
+STAT_COLUMNS = ("mean", "median", "min", "max", "std")
+
+
+def metric_tables(items: list[tuple[str, float]]) -> dict:
+    """NeMo Gym's flat metric keys as tables: one row per field with columns mean / median / min / max / std
+    ("mean/reward" or "reward/mean"), pass@k and majority@k by k, and the rest (num_rows, ...) as counts."""
+    fields: dict[str, dict] = {}
+    passk, counts = [], []
+    for key, value in items:
+        head, _, tail = key.partition("/")
+        if tail and head in STAT_COLUMNS:
+            fields.setdefault(tail, {"field": tail, "keys": {}})[head] = value
+            fields[tail]["keys"][head] = key
+        elif tail and tail in STAT_COLUMNS:
+            fields.setdefault(head, {"field": head, "keys": {}})[tail] = value
+            fields[head]["keys"][tail] = key
+        elif key.startswith(("pass@", "majority@")):
+            kind, _, k = key.partition("@")
+            passk.append({"metric": key, "kind": kind, "k": int(k) if k.isdigit() else k, "value": value})
+        else:
+            counts.append((key, value))
+    rows = sorted(fields.values(), key=lambda r: (r["field"] != "reward", r["field"]))
+    for row in rows:
+        row["cells"] = [(row.get(c), row["keys"].get(c, "")) for c in STAT_COLUMNS]
+    passk.sort(key=lambda p: (p["kind"] != "pass", str(p["k"]).zfill(8)))
+    return {"rows": rows, "passk": passk, "counts": counts}
 
 
 def reward_metrics(job) -> dict:
@@ -115,16 +161,16 @@ def reward_metrics(job) -> dict:
                 for k2, v2 in sorted(v.items()):
                     if isinstance(v2, (int, float)) and not isinstance(v2, bool):
                         flat.append((f"{k}/{k2}", v2))
-        return {"source": "stored", "items": flat, "sample": None}
+        return {"source": "stored", "items": flat, "sample": None, **metric_tables(flat)}
     live = live_sample_stats(job)
     items = []
     for name in ["reward", "output_tokens", "input_tokens"]:
         st = live["fields"][name]
         if not st["count"]:
             continue
-        items += [(f"mean/{name}", st["mean"]), (f"min/{name}", st["min"]), (f"max/{name}", st["max"]),
-                  (f"std/{name}", st["std"])]
-    return {"source": "live", "items": items, "sample": live["sample"]}
+        items += [(f"mean/{name}", st["mean"]), (f"median/{name}", st["p50"]), (f"min/{name}", st["min"]),
+                  (f"max/{name}", st["max"]), (f"std/{name}", st["std"])]
+    return {"source": "live", "items": items, "sample": live["sample"], **metric_tables(items)}
 
 
 def mean_reward(job) -> float | None:

@@ -16,10 +16,12 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
+from controlplane.datasets.services import DatasetValidationError, ingest_jsonl, preview_rows
 from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
 
 from . import compare as compare_mod
 from . import heartbeat, live, panels, stats
+from .excerpts import attach_excerpts
 from .forms import DatasetUploadForm, EndpointForm, LaunchJobForm, RolloutFilterForm
 from .pagination import keyset_page
 
@@ -137,6 +139,7 @@ def job_action(request, job_id, action):
 
 
 # --- Rollouts ---------------------------------------------------------------------------------
+PREVIEW_ROW_CHARS = 4000
 LIST_FIELDS = ["id", "job_id", "task_index", "rollout_index", "status", "failure_class", "reward", "wall_ms",
                "ttft_ms", "output_tokens", "attempts", "created_at"]
 
@@ -157,6 +160,7 @@ def rollouts(request, job_id):
     after, before = _int_or_none(request.GET.get("after")), _int_or_none(request.GET.get("before"))
     size = _int_or_none(request.GET.get("size")) or 50
     page = keyset_page(qs, after=after, before=before, size=size)
+    attach_excerpts(page.rows, Rollout.objects.filter(job=job))
     page_no = _int_or_none(request.GET.get("page")) or 1
     params = request.GET.copy()
     for k in ("after", "before", "page"):
@@ -185,7 +189,8 @@ def rollout_detail(request, rollout_id):
     if isinstance(inp, str):
         messages_in = [{"role": "user", "content": inp}]
     elif isinstance(inp, list):
-        messages_in = [m if isinstance(m, dict) else {"role": "?", "content": m} for m in inp]
+        # copies: the display keys set below must not leak into the raw JSON shown further down
+        messages_in = [dict(m) if isinstance(m, dict) else {"role": "?", "content": m} for m in inp]
     else:
         messages_in = []
     for m in messages_in:
@@ -245,8 +250,6 @@ def dataset_upload(request):
         if _wants_json(request):
             return JsonResponse({"ok": False, "message": "invalid form", "errors": form.errors}, status=400)
         return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form}, status=400)
-    from controlplane.datasets.services import DatasetValidationError, ingest_jsonl
-
     f = form.cleaned_data["file"]
     name = form.cleaned_data.get("name") or f.name.rsplit(".", 1)[0]
     try:
@@ -289,14 +292,13 @@ def dataset_detail(request, dataset_id):
                 return redirect("dashboard:job", job_id=job.pk)
     else:
         form = LaunchJobForm(endpoints=endpoints, initial={"endpoint": endpoints.first()})
-    try:
-        from controlplane.datasets.services import preview_rows
-
-        preview = preview_rows(ds, 10)
-    except ImportError:
-        preview = []
+    preview = preview_rows(ds, 10)
     for p in preview:
-        p["json"] = json.dumps(p["data"], ensure_ascii=False, indent=1)
+        text = json.dumps(p["data"], ensure_ascii=False, indent=1)
+        if len(text) > PREVIEW_ROW_CHARS:  # a multi-megabyte row would make the page unusable
+            text = (text[:PREVIEW_ROW_CHARS] + f"\n… {len(text) - PREVIEW_ROW_CHARS:,} more characters "
+                    "(the whole row is in the export and the API)")
+        p["json"] = text
     report = ds.validation_report or {}
     return render(request, "dashboard/dataset_detail.html", {
         "ds": ds, "preview": preview, "report": report, "form": form,

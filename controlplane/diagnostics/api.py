@@ -13,26 +13,19 @@ from django.db import transaction
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
+from controlplane.access import visible_datasets, visible_endpoints, visible_jobs, visible_sweeps
+from controlplane.api.conventions import ApiMixin
 
 from . import services
-from .models import ParallelismSweep
+from .tasks import run_sweep_task
 
 
-class _Base(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
-
-
-def _visible_sweeps(user):
-    qs = ParallelismSweep.objects.all()
-    if not getattr(user, "is_authenticated", False):
-        return qs.none()
-    return qs if user.is_staff else qs.filter(owner=user)
+class _Base(ApiMixin, APIView):
+    pass
 
 
 class DiagnosisSerializer(serializers.Serializer):
@@ -97,7 +90,7 @@ class SweepSerializer(serializers.Serializer):
 class SweepListView(_Base):
     @extend_schema(summary="List parallelism sweeps", responses={200: SweepSerializer(many=True)})
     def get(self, request):
-        sweeps = _visible_sweeps(request.user).order_by("-created_at")[:100]
+        sweeps = visible_sweeps(request.user).order_by("-created_at")[:100]
         return Response([services.sweep_payload(s) for s in sweeps])
 
     @extend_schema(summary="Start a parallelism sweep (runs in a Celery worker)", request=SweepCreateSerializer,
@@ -125,8 +118,6 @@ class SweepListView(_Base):
                                           max_parallelism=data["max_parallelism"])
         except ValueError as e:
             raise serializers.ValidationError({"detail": str(e)})
-        from .tasks import run_sweep_task
-
         transaction.on_commit(lambda: run_sweep_task.delay(sweep.pk))
         return Response(services.sweep_payload(sweep), status=status.HTTP_201_CREATED)
 
@@ -136,7 +127,7 @@ class SweepDetailView(_Base):
                    responses={200: SweepSerializer, 401: OpenApiResponse(description="Not authenticated"),
                               404: OpenApiResponse(description="Not found (or another user's sweep)")})
     def get(self, request, sweep_id: str):
-        sweep = _visible_sweeps(request.user).filter(pk=int(sweep_id)).first()
+        sweep = visible_sweeps(request.user).filter(pk=int(sweep_id)).first()
         if sweep is None:
             raise NotFound("No ParallelismSweep matches the given query.")
         return Response(services.sweep_payload(sweep))

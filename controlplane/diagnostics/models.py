@@ -1,4 +1,4 @@
-"""Parallelism sweeps (seed 000's quick diagnostic, automated) stored with their curve."""
+"""Parallelism sweeps (the profiling guide's quick diagnostic, automated) stored with their curve."""
 from django.conf import settings
 from django.db import models
 from django.utils import timezone

@@ -25,14 +25,13 @@ from controlplane.datasets.services import iter_rows
 from controlplane.endpoints.services import endpoint_spec
 from controlplane.jobs.models import JobMetricSample, JobState, Rollout
 from workers.diagnosis import Diagnosis, build_evidence, diagnose
-from workers.engine.types import CollectionSpec
+from workers.engine.types import TIMING_FIELDS, CollectionSpec
 from workers.sweep import run_sweep as engine_sweep
 
 from .models import ParallelismSweep
 
 logger = logging.getLogger(__name__)
 
-TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
 MAX_SAMPLES = 1200  # newest metric samples considered (about 20 minutes of one worker at 1 tick/s)
 
 

@@ -1,10 +1,11 @@
 """Mounted under /api/ (before the API's catch-all):  path("api/", include("controlplane.diagnostics.urls"))"""
 from django.urls import re_path
 
+from controlplane.api.conventions import ID_REGEX as ID
+
 from . import api
 
 app_name = "diagnostics"
-ID = r"[0-9]{1,18}"
 
 urlpatterns = [
     re_path(rf"^jobs/(?P<job_id>{ID})/diagnosis/$", api.JobDiagnosisView.as_view(), name="job-diagnosis"),

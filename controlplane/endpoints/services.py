@@ -85,6 +85,21 @@ def _headers(endpoint) -> dict:
     return h
 
 
+def served_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
+    """The model ids a server lists at /v1/models. Raises ValueError with a short reason when it cannot say."""
+    headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    try:
+        r = requests.get(normalize_base_url(base_url) + "/v1/models", headers=headers, timeout=(min(timeout, 5.0), timeout))
+    except requests.RequestException as exc:
+        raise ValueError(_short_error(exc)) from exc
+    if r.status_code != 200:
+        raise ValueError(f"/v1/models answered HTTP {r.status_code}")
+    try:
+        return [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (ValueError, AttributeError) as exc:
+        raise ValueError("/v1/models did not answer a model list") from exc
+
+
 def _short_error(exc: BaseException) -> str:
     if isinstance(exc, requests.exceptions.ConnectTimeout):
         return "connect timeout"

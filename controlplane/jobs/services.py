@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
+from workers.engine.types import TIMING_FIELDS
 
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout
@@ -32,7 +33,7 @@ RUN_CHUNK_TASK = "controlplane.jobs.tasks.run_chunk_task"
 FINALIZE_JOB_TASK = "controlplane.jobs.tasks.finalize_job_task"
 
 __all__ = [
-    "create_job", "cancel_job", "pause_job", "resume_job", "retry_failed",
+    "create_job", "get_or_create_job", "cancel_job", "pause_job", "resume_job", "retry_failed",
     "refresh_counts", "finalize_job", "fail_job", "dispatch_chunks", "InvalidTransition",
 ]
 
@@ -72,16 +73,37 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
         raise ValidationError(errors)
 
 
-def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
-               parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
-               verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
-               output_path="", launch=True, verify_cache="job"):
+def _job_with_key(owner, idempotency_key):
+    if not idempotency_key:
+        return None
+    return CollectionJob.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+
+
+def get_or_create_job(*, owner, idempotency_key=None, **params):
+    """(job, created): the owner's job with this idempotency key when there is one (also when a concurrent
+    request with the same key wins the race), else a new job from `params` (see create_job)."""
+    existing = _job_with_key(owner, idempotency_key)
+    if existing is not None:
+        return existing, False
+    try:
+        return _create_job(owner=owner, idempotency_key=idempotency_key, **params), True
+    except IntegrityError:
+        existing = _job_with_key(owner, idempotency_key)
+        if existing is not None:  # lost a race with the same key
+            return existing, False
+        raise
+
+
+def create_job(*, owner, idempotency_key=None, **params):
     """Create a CollectionJob (and its chunks) and, when launch, dispatch it to Celery. Returns the job.
     With an idempotency_key already used by this owner, returns the existing job instead."""
-    if idempotency_key:
-        existing = CollectionJob.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
-        if existing is not None:
-            return existing
+    return get_or_create_job(owner=owner, idempotency_key=idempotency_key, **params)[0]
+
+
+def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
+                parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
+                verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
+                output_path="", launch=True, verify_cache="job"):
     responses_create_params = {} if responses_create_params is None else responses_create_params
     verifier_options = {} if verifier_options is None else verifier_options
     if verify_cache not in ("off", "job", "global"):
@@ -91,29 +113,22 @@ def create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_sampl
               responses_create_params=responses_create_params, verifier_options=verifier_options)
 
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
-    try:
-        with transaction.atomic():
-            job = CollectionJob.objects.create(
-                owner=owner, name=name, dataset=dataset, endpoint=endpoint, limit=limit, num_repeats=num_repeats,
-                num_samples_in_parallel=num_samples_in_parallel, parallelism_auto=parallelism_auto,
-                responses_create_params=responses_create_params, verifier=verifier,
-                verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
-                idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
-                output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
-            )
-            JobChunk.objects.bulk_create(
-                [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))
-                 for i, start in enumerate(range(0, n_rows, chunk_size))],
-                batch_size=1000,
-            )
-            if launch:
-                dispatch_chunks(job)
-    except IntegrityError:
-        if idempotency_key:  # lost a race with the same key
-            existing = CollectionJob.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
-            if existing is not None:
-                return existing
-        raise
+    with transaction.atomic():
+        job = CollectionJob.objects.create(
+            owner=owner, name=name, dataset=dataset, endpoint=endpoint, limit=limit, num_repeats=num_repeats,
+            num_samples_in_parallel=num_samples_in_parallel, parallelism_auto=parallelism_auto,
+            responses_create_params=responses_create_params, verifier=verifier,
+            verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
+            idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
+            output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
+        )
+        JobChunk.objects.bulk_create(
+            [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))
+             for i, start in enumerate(range(0, n_rows, chunk_size))],
+            batch_size=1000,
+        )
+        if launch:
+            dispatch_chunks(job)
     return job
 
 
@@ -217,9 +232,6 @@ def refresh_counts(job):
     job.failed_count = counts.get(Rollout.Status.FAILED, 0)
     CollectionJob.objects.filter(pk=job.pk).update(completed_count=job.completed_count, failed_count=job.failed_count)
     return job
-
-
-TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
 
 
 def compute_summaries(job, batch_size=2000):

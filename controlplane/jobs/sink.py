@@ -19,7 +19,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from workers.engine.materialize import materialize
-from workers.engine.types import ControlState, ProgressTick, RolloutResult
+from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
 from .events import job_group, progress_payload
 from .models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
@@ -50,8 +50,7 @@ class DbThread:
 
 # --- exactly-once batch insert ------------------------------------------------------------------
 _INSERT_FIELDS = ("job", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "data",
-                  "queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "input_tokens", "output_tokens",
-                  "attempts", "weight_version", "worker", "created_at")
+                  *TIMING_FIELDS, "input_tokens", "output_tokens", "attempts", "weight_version", "worker", "created_at")
 _SQL_BATCH = 500
 
 
@@ -71,8 +70,7 @@ def _rollout_values(job_id, worker, r: RolloutResult, now):
         "job": job_id, "task_index": r.task_index, "rollout_index": r.rollout_index,
         "status": Rollout.Status.OK if r.ok else Rollout.Status.FAILED,
         "failure_class": (r.failure_class or "")[:40], "error": r.error or "", "reward": r.reward,
-        "data": r.output_row, "queue_ms": r.queue_ms, "ttft_ms": r.ttft_ms, "generation_ms": r.generation_ms,
-        "verify_ms": r.verify_ms, "wall_ms": r.wall_ms,
+        "data": r.output_row, **{f: getattr(r, f) for f in TIMING_FIELDS},
         "input_tokens": r.input_tokens if (r.input_tokens or 0) >= 0 else None,
         "output_tokens": r.output_tokens if (r.output_tokens or 0) >= 0 else None,
         "attempts": max(0, min(int(r.attempts or 0), 32767)), "weight_version": (r.weight_version or "")[:100],

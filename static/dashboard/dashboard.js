@@ -122,7 +122,7 @@ export function applyProgress(root, snap) {
     } else if (f === "stalled") {
       el.hidden = !snap.stalled;
     } else if (f === "tqdm") {
-      // The seed's progress line, e.g. "45%|████▌     | 450/1000 [02:15<02:45, 3.33it/s]"
+      // ng_collect_rollouts' progress line, e.g. "45%|████▌     | 450/1000 [02:15<02:45, 3.33it/s]"
       const blocks = Math.round(frac * 10);
       el.textContent = `${Math.floor(100 * frac)}%|${"█".repeat(blocks)}${" ".repeat(10 - blocks)}| ` +
         `${snap.done}/${total} [${fmtDuration(snap.elapsed_s)}<${fmtDuration(snap.eta_s)}, ${fmtNum(snap.samples_per_s)}it/s]`;

@@ -97,6 +97,13 @@ def test_rejected_input_prints_bad_lines(tmp_path, capsys):
         call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
                      "+model_base_url=http://127.0.0.1:9", "+model_name=m")
     assert "line 2: not valid JSON" in capsys.readouterr().err
+    p.write_text('{oops\n["a list"]\n')  # no valid line at all: keeping the good ones would not help
+    with pytest.raises(CommandError) as ei:
+        call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
+                     "+model_base_url=http://127.0.0.1:9", "+model_name=m")
+    assert str(ei.value) == f"+input_jsonl_fpath {p}: the file has no valid rows"
+    err = capsys.readouterr().err
+    assert "line 1: not valid JSON" in err and "line 2: a line must be a JSON object, got array" in err
 
 
 # --- end to end ---------------------------------------------------------------------------------
@@ -252,3 +259,28 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     assert job.state == JobState.COMPLETED
     rows, _ = check_output(out, n_tasks, repeats)
     print(f"\n{sig.name}: {done_after_first} rows stored before the interrupt; rerun completed {len(rows)}")
+
+
+def _fresh_checkout_env(var_dir, **extra):
+    """The environment of a fresh checkout: no DATABASE_URL (the embedded SQLite file under var/)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TEST_DATABASE_URL")}
+    return {**env, "CONTROLPLANE_VAR_DIR": str(var_dir), **extra}
+
+
+def test_fresh_checkout_migrates_the_embedded_database_and_finds_the_served_model(simulator, tmp_path):
+    inp = write_math(tmp_path / "tasks.jsonl", 6)
+    out = tmp_path / "out" / "rollouts.jsonl"
+    var = tmp_path / "var"
+    cmd = [sys.executable, "manage.py", "collect_rollouts", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={out}",
+           f"+model_base_url={simulator.url}", "+responses_create_params.max_output_tokens=24"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_fresh_checkout_env(var), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Setting up the embedded database" in proc.stderr and (var / "controlplane.sqlite3").exists()
+    assert f"Model: {simulator.model} (the one model" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all("reward" in r for r in rows)
+    # a database that is not the embedded one is never migrated behind the user's back
+    elsewhere = tmp_path / "elsewhere.sqlite3"
+    proc = subprocess.run(cmd, cwd=REPO, env=_fresh_checkout_env(var, DATABASE_URL=f"sqlite:///{elsewhere}"),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1 and "run `python manage.py migrate` first" in proc.stderr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import html as html_lib
 import io
 import json
 
@@ -112,6 +113,17 @@ def test_rollout_detail_shows_input_output_verifier_usage_timings(client_alice, 
     assert f"The answer is \\boxed{{{r.task_index + 1}}}" in html
     assert "expected_answer" in html and "extracted_answer" in html
     assert "output_tokens" in html and "wall_ms" in html
+    raw = html[html.index("raw output row (JSON)"):]
+    raw = html_lib.unescape(raw[raw.index("<pre>") + 5:raw.index("</pre>")])
+    assert json.loads(raw) == r.data  # the page's display keys (content_text ...) stay out of the row as stored
+
+
+def test_dataset_page_clips_a_huge_row(client_alice, alice):
+    big = {"responses_create_params": {"input": [{"role": "user", "content": "x" * 3_000_000}]}, "expected_answer": "1"}
+    ds = make_dataset(alice, rows=[big, *sum_rows(2)])
+    html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
+    assert len(html) < 200_000 and "more characters (the whole row is in the export and the API)" in html
+    assert "What is" in html  # the other rows are shown whole
 
 
 def test_upload_good_file_then_launch_a_job(client_alice, alice, no_celery, django_capture_on_commit_callbacks):

@@ -269,3 +269,26 @@ async def test_sleep_wake_and_prefix_cache_reset(simulator):
         assert st == 200
         async with s.get(simulator.url + "/is_sleeping") as r:
             assert (await r.json())["is_sleeping"] is False
+
+
+@pytest.mark.parametrize("question, expected", [
+    ("What is 17 + 25?", 42), ("What is $6 \\times 7$?", 42), ("What is \\(6 \\cdot 7\\)? Box it.", 42),
+    ("what is 6 × 7", 42), ("what is 6 · 7", 42), ("Compute -3 * 4", -12), ("calculate -5 - 7", -12),
+])
+def test_arithmetic_styles_score_at_the_configured_accuracy(question, expected):
+    import random
+
+    from workers.simulator.text import generate, solve
+
+    assert solve(question)[3] == expected
+    rng = random.Random(5)
+    outcomes = [generate(rng, 12, question, 0.7)[1] for _ in range(400)]
+    assert all(o is not None and o["expected"] == expected for o in outcomes)
+    right = sum(o["given"] == expected for o in outcomes) / len(outcomes)
+    assert 0.62 < right < 0.78  # the accuracy setting, not 0 (an unparsed question has no right answer)
+
+
+def test_text_without_arithmetic_is_not_scored():
+    from workers.simulator.text import solve
+
+    assert solve("What is the capital of France?") is None and solve("6 \\times 7") is None

@@ -5,7 +5,7 @@ a weight to one verdict. The verdict with the highest score wins when it reaches
 evidence is not enough. Every number consulted is reported (name, value, threshold, meaning, and which
 verdict it supports), so the job page, the API and the CLI can show *why*.
 
-Verdicts (seed 000's three bottlenecks, plus our own overhead):
+Verdicts (the profiling guide's three bottlenecks, plus our own overhead):
   model_inference_bound      time goes to the model server (TTFT + generation)
   verification_bound         time goes to the verifier (CPU-heavy, or slow external calls)
   network_rate_limit_bound   429s / timeouts / connection errors, or throughput pinned at the RPM limit
@@ -100,7 +100,7 @@ class Recommendation:
 
 @dataclass
 class Condition:
-    """One of seed 002's troubleshooting cases, detected."""
+    """One of the troubleshooting guide's cases, detected."""
 
     name: str
     title: str

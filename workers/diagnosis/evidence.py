@@ -21,6 +21,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from workers.engine.types import TIMING_FIELDS
+
 REQUEST_ERROR_CLASSES = ("http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response")
 
 
@@ -229,11 +231,11 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     # ---- telemetry
     tel = [((t.get("extra") or {}).get("telemetry") or {}) for t in ticks]
     timings = [x.get("timing") or {} for x in tel]
-    for f in ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms"):
+    for f in TIMING_FIELDS:
         setattr(ev, f, _wmean(((tm.get(f) or {}).get("mean"), tm.get("n") or 0) for tm in timings))
     ev.output_tokens_mean = _wmean(((tm.get("output_tokens") or {}).get("mean"), tm.get("n") or 0) for tm in timings)
     if rollout_stats:
-        for f in ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "output_tokens_mean"):
+        for f in (*TIMING_FIELDS, "output_tokens_mean"):
             if rollout_stats.get(f) is not None:
                 setattr(ev, f, float(rollout_stats[f]))
         if rollout_stats.get("n") and not ev.n_rollouts:

@@ -20,6 +20,8 @@ from array import array
 from collections import Counter
 from typing import Any, Iterable
 
+from .types import TIMING_FIELDS
+
 _SKIP = {"_ng_task_index", "_ng_rollout_index"}
 _USAGE_KEYS = (
     ("input_tokens", ("input_tokens",)),
@@ -194,7 +196,7 @@ def _majority_correct(group: _Group) -> bool:
 class TimingAccumulator:
     """Per-rollout timings (queue/ttft/generation/verify/wall, in ms) -> percentiles and means."""
 
-    NAMES = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
+    NAMES = TIMING_FIELDS
 
     def __init__(self, names: Iterable[str] = NAMES):
         self.values: dict[str, array] = {n: array("d") for n in names}

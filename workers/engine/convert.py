@@ -379,3 +379,20 @@ def convert_answer(flavor: str, body: dict) -> dict:
     if flavor == "completions":
         return to_response_from_completion(body)
     return to_response_from_responses(body)
+
+
+def decode_sse_events(datas: list[bytes]) -> list:
+    """The JSON payloads of several SSE `data:` lines, decoded with one json.loads (as one array) instead of
+    one call per event (a streamed answer has one event per token). Falls back to one call per line, which
+    raises the same error as before, when the joined text is not exactly one value per line."""
+    if len(datas) == 1:
+        return [json.loads(datas[0])]
+    if not datas:
+        return []
+    try:
+        events = json.loads(b"[" + b",".join(datas) + b"]")
+    except ValueError:
+        events = None
+    if isinstance(events, list) and len(events) == len(datas):
+        return events
+    return [json.loads(d) for d in datas]

@@ -49,7 +49,7 @@ from workers.verifiers import get_verifier
 from workers.verifiers.base import Verifier
 from workers.verifiers.execution import VerifyExecutor
 
-from .convert import StreamAccumulator, build_request, convert_answer, response_text
+from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
 from .materialize import merge_overrides
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
 from .types import (
@@ -121,23 +121,6 @@ def _error_reason(exc: BaseException) -> str:
         elif os_error.strerror:
             text = str(os_error.strerror)
     return text
-
-
-def _decode_events(datas: list[bytes]) -> list:
-    """The JSON payloads of several SSE `data:` lines, decoded with one json.loads (as one array) instead of
-    one call per event (a streamed answer has one event per token). Falls back to one call per line, which
-    raises the same error as before, when the joined text is not exactly one value per line."""
-    if len(datas) == 1:
-        return [json.loads(datas[0])]
-    if not datas:
-        return []
-    try:
-        events = json.loads(b"[" + b",".join(datas) + b"]")
-    except ValueError:
-        events = None
-    if isinstance(events, list) and len(events) == len(datas):
-        return events
-    return [json.loads(d) for d in datas]
 
 
 # -------------------------------------------------------------------------------------------- the run
@@ -518,7 +501,7 @@ class _Run:
                                 done = True
                                 break
                             events.append(data)
-                        for event in _decode_events(events):
+                        for event in decode_sse_events(events):
                             if acc.feed(event):
                                 t_last = t_chunk
                                 if t_first is None:

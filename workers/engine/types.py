@@ -87,6 +87,11 @@ class RolloutResult:
     weight_version: str = ""
 
 
+# The per-rollout timings, in stage order: RolloutResult's attributes, the Rollout table's columns and the keys
+# of every timing summary (job, telemetry tick, diagnosis evidence).
+TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
+
+
 @dataclass
 class ProgressTick:
     elapsed_s: float

@@ -24,8 +24,10 @@ WORDS = (
     "because careful work pays off in reinforcement learning pipelines that run for days"
 ).split()
 
-# "What is 17 + 25?", "Compute 3 * 4", "calculate -5 - 7", "what is 6 x 7"
-MATH_RE = re.compile(r"(?:what\s+is|compute|calculate)\s+(-?\d{1,18})\s*([-+*x×])\s*(-?\d{1,18})", re.IGNORECASE)
+# "What is 17 + 25?", "Compute 3 * 4", "calculate -5 - 7", "what is 6 x 7", "What is $6 \times 7$?",
+# "What is \(6 \cdot 7\)?", "what is 6 × 7", "what is 6 · 7"
+MATH_RE = re.compile(r"(?:what\s+is|compute|calculate)\s+(?:\$|\\\()?\s*(-?\d{1,18})\s*(\\times|\\cdot|[-+*x×·⋅])\s*"
+                     r"(-?\d{1,18})", re.IGNORECASE)
 
 
 def count_tokens(text: str) -> int:

@@ -26,11 +26,11 @@ import time
 from typing import Any
 
 from workers.engine.aggregate import quantile
+from workers.engine.types import TIMING_FIELDS
 
 from .host import GpuSampler, LoopLagMonitor, ProcessSampler
 from .vllm import VllmScraper
 
-TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
 
 
 def _summary(values: list[float]) -> dict | None:

@@ -37,8 +37,8 @@ class Command(BaseCommand):
                               description=description)
         except DatasetValidationError as e:
             self.stderr.write(format_report(e.report, max_lines=max_report_lines))
-            ds_id = e.dataset.pk if e.dataset else "-"
-            raise CommandError(f"dataset {ds_id} {e.message}", returncode=1)
+            kept = f" (dataset {e.dataset.pk} records the rejection)" if e.dataset else ""
+            raise CommandError(f"{path}: {e.message}{kept}", returncode=1)
         rep = ds.validation_report
         if rep.get("bad_line_count"):
             self.stdout.write(format_report(rep, max_lines=max_report_lines))

@@ -8,7 +8,7 @@ from controlplane.diagnostics import services
 
 
 class Command(BaseCommand):
-    help = "Run the same sample of tasks at parallelism 1, 2, 4 ... and recommend a setting (seed 000, automated)."
+    help = "Run the same sample of tasks at parallelism 1, 2, 4 ... and recommend a setting (the profiling guide's quick diagnostic, automated)."
 
     def add_arguments(self, parser):
         parser.add_argument("--endpoint", type=int, help="endpoint id (default: the job's)")

@@ -82,7 +82,8 @@ KEYS: list[Key] = [
     Key("prewarm", "int", "send N tiny requests to the endpoint before collecting", 0, minimum=0, identity=False),
     Key("model_base_url", "str", "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (the /v1 is optional)",
         None, group="endpoint", aliases=("policy_base_url",)),
-    Key("model_name", "str", "model name to request", None, group="endpoint", aliases=("policy_model_name",)),
+    Key("model_name", "str", "model name to request (default: the server's model, when /v1/models lists exactly one)",
+        None, group="endpoint", aliases=("policy_model_name",)),
     Key("api_flavor", "choice", "API the server speaks", "chat_completions", group="endpoint",
         choices=("chat_completions", "completions", "responses")),
     Key("api_key", "str", "bearer token (stored write-only; not part of the job's identity)", None, group="endpoint",
@@ -246,7 +247,7 @@ def parse_overrides(tokens: list[str]) -> dict:
     cfg["_given"] = given
     missing = [f"+{k}" for k in ("input_jsonl_fpath", "output_jsonl_fpath") if not cfg.get(k)]
     if not cfg.get("endpoint"):
-        missing += [f"+{k}" for k in ("model_base_url", "model_name") if not cfg.get(k)]
+        missing += [f"+{k}" for k in ("model_base_url",) if not cfg.get(k)]
     if missing:
         raise ArgError("missing required key(s): " + ", ".join(missing))
     rcp = cfg["responses_create_params"]
@@ -326,13 +327,48 @@ class Command(BaseCommand):
             ds = ingest_jsonl(path, name=os.path.basename(path), owner=owner, accept_partial=cfg["accept_partial"])
         except DatasetValidationError as exc:
             self.stderr.write(format_report(exc.report, max_lines=200))
-            hint = "" if cfg["accept_partial"] else " (+accept_partial=true keeps only the good lines)"
-            self._fail(f"input {path} {exc.message}{hint}")
+            some_good = exc.report.get("good_rows", 0) > 0
+            hint = "" if cfg["accept_partial"] or not some_good else " (+accept_partial=true keeps only the good lines)"
+            self._fail(f"+input_jsonl_fpath {path}: {exc.message}{hint}")
         note = f", {ds.bad_line_count} bad line(s) skipped" if ds.bad_line_count else ""
         self.stderr.write(f"Input: dataset {ds.pk} '{ds.name}' loaded ({ds.row_count} rows{note}, sha256 {sha[:12]})")
         if ds.bad_line_count:
             self.stderr.write(format_report(ds.validation_report, max_lines=20))
         return ds
+
+    def _ensure_schema(self):
+        """A fresh checkout's embedded SQLite database is created and migrated here; any other database with
+        migrations not applied is an error that says what to run."""
+        from django.conf import settings
+        from django.core.management import call_command
+        from django.db import connection
+        from django.db.migrations.executor import MigrationExecutor
+
+        executor = MigrationExecutor(connection)
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        if not plan:
+            return
+        db = settings.DATABASES["default"]
+        if db["ENGINE"].endswith("sqlite3") and Path(str(db["NAME"])).parent == Path(settings.VAR_DIR):
+            self.stderr.write(f"Setting up the embedded database {db['NAME']} ({len(plan)} migrations) ...")
+            call_command("migrate", interactive=False, verbosity=0)
+            return
+        self._fail(f"the database has {len(plan)} migration(s) not applied: run `python manage.py migrate` first")
+
+    def _only_model(self, base: str, cfg) -> str:
+        """The one model the server lists at /v1/models (+model_name was not given)."""
+        from controlplane.endpoints.services import served_models
+
+        try:
+            models = served_models(base, cfg.get("api_key"), timeout=min(30.0, cfg.get("request_timeout_s") or 30.0))
+        except ValueError as exc:
+            self._fail(f"+model_name not given, and {base}/v1/models could not list the served models ({exc}); "
+                       "give +model_name")
+        if len(models) != 1:
+            listed = ", ".join(models[:10]) if models else "none"
+            self._fail(f"+model_name not given, and {base} serves {len(models)} models ({listed}); pick one with +model_name")
+        self.stderr.write(f"Model: {models[0]} (the one model {base} serves)")
+        return models[0]
 
     def _endpoint(self, cfg, owner):
         from controlplane.endpoints.models import Endpoint
@@ -347,6 +383,8 @@ class Command(BaseCommand):
             base = normalize_base_url(cfg["model_base_url"])
             if not base.startswith(("http://", "https://")):
                 self._fail(f"+model_base_url must start with http:// or https://, got {cfg['model_base_url']!r}")
+            if not cfg.get("model_name"):
+                cfg["model_name"] = self._only_model(base, cfg)
             lookup = dict(base_url=base, model_name=cfg["model_name"], api_flavor=cfg["api_flavor"])
             qs = Endpoint.objects.filter(**lookup)
             qs = qs.filter(owner=owner) if owner else qs.filter(owner__isnull=True)
@@ -373,8 +411,8 @@ class Command(BaseCommand):
     # -- main --
     def handle(self, *args, overrides, verbosity=1, **options):
         if not overrides:
-            self._fail("no arguments: at least +input_jsonl_fpath, +output_jsonl_fpath, +model_base_url and "
-                       "+model_name are needed", with_keys=True)
+            self._fail("no arguments: at least +input_jsonl_fpath, +output_jsonl_fpath and +model_base_url are needed",
+                       with_keys=True)
         try:
             cfg = parse_overrides(overrides)
         except ArgError as exc:
@@ -383,10 +421,11 @@ class Command(BaseCommand):
             for name in ("controlplane.jobs", "workers", "httpx", "celery"):
                 logging.getLogger(name).setLevel(logging.WARNING)
 
+        self._ensure_schema()
         from controlplane.jobs.export import write_export
         from controlplane.jobs.models import CollectionJob, JobState
         from controlplane.jobs.runtime import run_job_inline
-        from controlplane.jobs.services import create_job
+        from controlplane.jobs.services import get_or_create_job
 
         out_path = Path(cfg["output_jsonl_fpath"])
         try:
@@ -405,9 +444,8 @@ class Command(BaseCommand):
         from django.core.exceptions import ValidationError
 
         name = cfg["name"] or cfg["agent_name"] or Path(cfg["input_jsonl_fpath"]).stem
-        existed = CollectionJob.objects.filter(owner=owner, idempotency_key=key).first()
         try:
-            job = existed or create_job(
+            job, created = get_or_create_job(
                 owner=owner, dataset=dataset, endpoint=endpoint, limit=cfg["limit"], num_repeats=cfg["num_repeats"],
                 num_samples_in_parallel=cfg["num_samples_in_parallel"],
                 responses_create_params=cfg["responses_create_params"], verifier=cfg["verifier"],
@@ -416,7 +454,7 @@ class Command(BaseCommand):
             )
         except ValidationError as exc:
             self._fail(f"invalid job: {'; '.join(f'{k}: {v}' for k, v in exc.message_dict.items())}")
-        if existed:
+        if not created:
             self.stderr.write(f"Job {job.pk}: resuming ({job.state}, {job.done_count}/{job.total_rollouts} rollouts already stored)"
                               if job.state != JobState.COMPLETED else
                               f"Job {job.pk}: already completed ({job.done_count}/{job.total_rollouts}); writing its output")

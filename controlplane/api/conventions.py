@@ -1,0 +1,37 @@
+"""The API's conventions, shared by every app's API views: authentication, the id pattern in URLs, the
+exception handler and the documented error responses."""
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+
+from . import serializers as s
+from .exceptions import api_exception_handler
+
+ID_REGEX = r"[0-9]{1,18}"  # fits a bigint; anything else is a 404, never a database error
+
+
+def errors(*codes):
+    """Documented error responses (DRF bodies: {"detail": ...}; 400 carries field errors)."""
+    out = {}
+    for code in codes:
+        if code == 400:
+            out[400] = OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors, by field")
+        else:
+            out[code] = OpenApiResponse(s.ErrorSerializer, description={
+                401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
+                409: "Conflicts with the object's current state", 429: "Throttled"}.get(code, ""))
+    return out
+
+
+READ_ERRORS = (401, 404, 429)
+
+
+class ApiMixin:
+    # Token first, so an anonymous request gets 401 with `WWW-Authenticate: Token`.
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    lookup_value_regex = ID_REGEX
+
+    def get_exception_handler(self):
+        return api_exception_handler
