@@ -29,7 +29,8 @@ if ROOT not in sys.path:
 
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math  # noqa: E402
-from workers.engine.runner import run_collection, shutdown_verify_pool  # noqa: E402
+from workers.engine.runner import run_collection  # noqa: E402
+from workers.engine.verify_pool import shutdown_verify_pool  # noqa: E402
 from workers.engine.types import CollectionSpec, EndpointSpec, TaskItem  # noqa: E402
 from workers.verifiers import sandbox  # noqa: E402
 from workers.verifiers.execution import VerifyExecutor  # noqa: E402

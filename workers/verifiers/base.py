@@ -26,7 +26,7 @@ class Verifier:
     name = ""
     kind = ""  # "cpu" | "io" | "remote"; "" = older verifiers: `cpu_bound = True` -> cpu, else run on the loop
     required_fields: tuple[str, ...] = ("expected_answer",)
-    options: dict[str, tuple] = {"answer_field": (str, "expected_answer")}
+    options: dict[str, tuple] | None = None  # None: not declared (older verifiers): options pass unchecked
     description = ""
 
     @property
@@ -56,15 +56,17 @@ class Verifier:
         """Row fields needed with these options (an `answer_field` option renames `expected_answer`)."""
         options = options or {}
         answer_field = options.get("answer_field")
-        if answer_field and "answer_field" in self.options:
+        if answer_field and "answer_field" in (self.options or {}):
             return tuple(answer_field if f == "expected_answer" else f for f in self.required_fields)
         return tuple(self.required_fields)
 
     def validate_options(self, options: dict | None) -> dict:
         """The options with defaults filled in; ValueError naming every bad option."""
-        options = dict(options or {})
-        if not isinstance(options, dict):
+        if options is not None and not isinstance(options, dict):
             raise ValueError("verifier options must be an object")
+        options = dict(options or {})
+        if self.options is None:
+            return options
         errors = []
         for key in sorted(set(options) - set(self.options)):
             errors.append(f"unknown option {key!r} (known: {', '.join(sorted(self.options)) or 'none'})")
@@ -91,8 +93,9 @@ class Verifier:
 
     def info(self) -> dict:
         return {"name": self.name, "kind": self.effective_kind, "required_fields": list(self.required_fields),
-                "options": {k: {"type": "/".join(t.__name__ for t in (v[0] if isinstance(v[0], tuple) else (v[0],))),
-                                "default": v[1]} for k, v in self.options.items()},
+                "options": None if self.options is None else {
+                    k: {"type": "/".join(t.__name__ for t in (v[0] if isinstance(v[0], tuple) else (v[0],))),
+                        "default": v[1]} for k, v in self.options.items()},
                 "description": self.description or (type(self).__doc__ or "").strip().split("\n")[0]}
 
 

@@ -38,6 +38,7 @@ class ExactMatch(Verifier):
 class NormalizedMatch(Verifier):
     name = "normalized"
     kind = "cpu"
+    options = {"answer_field": (str, "expected_answer")}
 
     def verify(self, row, response_text, options):
         expected = str(row.get(options.get("answer_field", "expected_answer"), ""))

@@ -17,6 +17,7 @@ def _in_main_thread():
 class MathVerifier(Verifier):
     name = "math"
     kind = "cpu"
+    options = {"answer_field": (str, "expected_answer")}
 
     def verify(self, row, response_text, options):
         from math_verify import parse, verify
