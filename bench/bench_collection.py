@@ -200,9 +200,10 @@ class CpuMeter:
                 out.extend(self._procs(child))
         return out
 
-    def _tree(self, proc) -> dict:
+    def _cpu(self, procs) -> dict:
+        """{pid: user + system CPU seconds} of the processes still there."""
         out = {}
-        for p in self._procs(proc):
+        for p in procs:
             try:
                 t = p.cpu_times()
                 out[p.pid] = t.user + t.system
@@ -210,16 +211,12 @@ class CpuMeter:
                 pass
         return out
 
+    def _tree(self, proc) -> dict:
+        return self._cpu(self._procs(proc))
+
     def _postgres(self) -> dict:
-        out = {}
-        for p in self.psutil.process_iter(["name"]):
-            if p.info["name"] and p.info["name"].startswith("postgres"):
-                try:
-                    t = p.cpu_times()
-                    out[p.pid] = t.user + t.system
-                except self.psutil.Error:
-                    pass
-        return out
+        return self._cpu(p for p in self.psutil.process_iter(["name"])
+                         if p.info["name"] and p.info["name"].startswith("postgres"))
 
     def snapshot(self):
         return self._tree(self.client), self._tree(self.sim), self._postgres()

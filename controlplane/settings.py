@@ -16,7 +16,10 @@ env = environ.Env()
 if (BASE_DIR / ".env").exists():
     environ.Env.read_env(BASE_DIR / ".env")
 
-SECRET_KEY = env("DJANGO_SECRET_KEY", default="insecure-laptop-default-change-me-in-production")
+# The laptop default is published: controlplane.settings_production refuses to start with it.
+INSECURE_DEFAULT_SECRET_KEY = "insecure-laptop-default-change-me-in-production"
+SECRET_KEY = env("DJANGO_SECRET_KEY", default=INSECURE_DEFAULT_SECRET_KEY)
+REQUIRE_STRONG_SECRET_KEY = False  # production settings: True
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
@@ -33,6 +36,8 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # the API docs' scripts, served from here (no CDN)
+    "axes",  # failed-login lockout
     "controlplane.datasets",
     "controlplane.endpoints",
     "controlplane.jobs",
@@ -50,7 +55,39 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a locked-out login into its 429 page
 ]
+
+# --- Logins: django-axes locks a username + address out after repeated failures (the login pages, the
+# admin and POST /api/auth/token/ alike). The address is the real client's (see WEB_TRUSTED_PROXIES).
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=10)
+AXES_COOLOFF_TIME = env.float("AXES_COOLOFF_HOURS", default=0.25)  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+# Proxies in front of the web server that append to X-Forwarded-For (0: the peer address is the client;
+# docker/compose.yml: 1, Caddy). A client-supplied X-Forwarded-For is never trusted beyond that.
+WEB_TRUSTED_PROXIES = env.int("WEB_TRUSTED_PROXIES", default=0)
+AXES_IPWARE_PROXY_COUNT = WEB_TRUSTED_PROXIES or None
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["HTTP_X_FORWARDED_FOR", "REMOTE_ADDR"] if WEB_TRUSTED_PROXIES else ["REMOTE_ADDR"]
+
+# --- Security headers: CSP (django-csp); nosniff, same-origin referrers and DENY framing are Django's
+# defaults. Scripts and styles come from this site only (inline styles are used by the dashboard).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'", "'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "font-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    }
+}
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -107,6 +144,11 @@ STORAGES = {
 WHITENOISE_USE_FINDERS = True
 MEDIA_ROOT = env("MEDIA_ROOT", default=str(VAR_DIR / "media"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
+# Request bodies, refused (413) before any parsing by controlplane.bodylimit: every request, and the
+# dataset upload routes for a request with credentials.
+REQUEST_MAX_BODY_BYTES = env.int("REQUEST_MAX_BODY_BYTES", default=1024 * 1024)
+UPLOAD_MAX_BODY_BYTES = env.int("UPLOAD_MAX_BODY_BYTES", default=1024 * 1024 * 1024)
+UPLOAD_PATHS = ["/api/datasets/", "/datasets/upload/"]
 # Uploaded files above this size are spooled to disk, never held whole in memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
 
@@ -151,6 +193,23 @@ JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.
 JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
 
+# --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
+# Model-server hosts users may register: "*" (anything) on a laptop, a list in production
+# ("vllm", ".gpu.internal" for a domain and its subdomains). Link-local and cloud-metadata addresses
+# are always refused; redirects are never followed.
+ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["*"])
+ENDPOINT_MAX_REQUEST_TIMEOUT_S = env.float("ENDPOINT_MAX_REQUEST_TIMEOUT_S", default=3600.0)
+ENDPOINT_MAX_CONNECT_TIMEOUT_S = env.float("ENDPOINT_MAX_CONNECT_TIMEOUT_S", default=300.0)
+ENDPOINT_MAX_RETRIES = env.int("ENDPOINT_MAX_RETRIES", default=20)
+JOBS_MAX_PARALLELISM = env.int("JOBS_MAX_PARALLELISM", default=4096)
+JOBS_MAX_NUM_REPEATS = env.int("JOBS_MAX_NUM_REPEATS", default=10000)
+JOBS_MAX_CHUNK_SIZE = env.int("JOBS_MAX_CHUNK_SIZE", default=1_000_000)
+# Per user, over queued and running jobs.
+JOBS_MAX_ACTIVE_PER_USER = env.int("JOBS_MAX_ACTIVE_PER_USER", default=20)
+JOBS_MAX_PARALLELISM_PER_USER = env.int("JOBS_MAX_PARALLELISM_PER_USER", default=8192)
+# A model response larger than this is a failed attempt (bad_response), never read whole.
+ENGINE_MAX_RESPONSE_BYTES = env.int("ENGINE_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
+
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
@@ -167,9 +226,15 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON with a bound on nesting (a 400, not a RecursionError).
+    "DEFAULT_PARSER_CLASSES": ["controlplane.api.parsers.JSONParser", "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
     "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.UserRateThrottle"],
+    # Throttles key anonymous requests on the real client address: X-Forwarded-For only as far as the
+    # trusted proxies go (DRF's default, None, would take the client-supplied header as is).
+    "NUM_PROXIES": WEB_TRUSTED_PROXIES,
     "DEFAULT_THROTTLE_RATES": {
         "user": env("API_THROTTLE_USER_RATE", default="1200/min"),
         "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
@@ -180,6 +245,12 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Datasets, model endpoints and rollout collection jobs.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI and Redoc from drf-spectacular-sidecar (pinned, served locally), not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
+                            "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status"},
 }
 
 LOGGING = {

@@ -59,8 +59,9 @@ log "starting a Celery worker and beat"
 start worker "$VENV/bin/celery" -A controlplane worker -P threads -c 4 -l info -n "demo@%h"
 start beat "$VENV/bin/celery" -A controlplane beat -l info -s "$ROOT/var/celerybeat-schedule"
 
-log "starting the web server (ASGI, daphne) on 127.0.0.1:$WEB_PORT"
-start web "$VENV/bin/daphne" -b 127.0.0.1 -p "$WEB_PORT" controlplane.asgi:application
+log "starting the web server (ASGI, uvicorn) on 127.0.0.1:$WEB_PORT"
+# uvicorn streams request bodies to the app, so the size limit holds before anything is parsed.
+start web "$VENV/bin/uvicorn" controlplane.asgi:application --host 127.0.0.1 --port "$WEB_PORT" --ws websockets
 wait_http "http://127.0.0.1:$WEB_PORT/accounts/login/" 30 web
 
 "$PY" scripts/demo_seed.py --simulator-url "http://127.0.0.1:$SIM_PORT" --web-url "http://127.0.0.1:$WEB_PORT"

@@ -2,8 +2,9 @@
 
 The same sample of tasks is run at parallelism 1, 2, 4 ... up to `max_parallelism` with the engine's
 `run_collection`; each level gets `max(min_tasks, waves * parallelism)` rollouts cycled from the sample, so
-every level runs several full waves. Throughput is the level's successful rollouts over its time (start to
-last completion): with whole waves, a closed loop's synchronized waves are counted exactly.
+every level runs several full waves. Throughput is the level's successful rollouts from the end of its first
+wave to its last completion (`level_rate`): start-up is left out, and with whole waves a closed loop's
+synchronized waves are counted exactly.
 The sweep stops early when throughput stops rising (less than `min_gain` over the best for `patience`
 levels in a row) or when errors appear (error rate above `error_threshold`).
 
@@ -135,6 +136,22 @@ def middle_rate(finish: list[float], t_start: float, lo: float = 0.1, hi: float 
     return (j - i) / span
 
 
+def level_rate(finish: list[float], t0: float, parallelism: int, ok: int) -> float:
+    """Successful rollouts per second of a level, start-up left out: from the end of the first wave (the
+    parallelism-th completion) to the last completion, over the completions in between. Each level runs
+    whole waves (n = waves x parallelism), so a closed loop's synchronized waves are counted exactly, and
+    neither the run's start-up (session, verifier pool, the server's first requests) nor the first
+    request's latency is in it. With a single wave: start -> last completion."""
+    if not ok or not finish:
+        return 0.0
+    s = sorted(finish)
+    if len(s) > parallelism and ok > parallelism:
+        span = s[-1] - s[parallelism - 1]
+        if span > 0:
+            return (min(ok, len(s)) - parallelism) / span
+    return ok / max(1e-9, s[-1] - t0)
+
+
 def default_levels(start: int = 1, max_parallelism: int = 512, factor: int = 2) -> list[int]:
     levels, p = [], max(1, start)
     while p <= max_parallelism:
@@ -227,10 +244,7 @@ async def run_level(spec: CollectionSpec, sample: list[dict], parallelism: int, 
     elapsed = time.monotonic() - t0
     if summary.fatal_error and rec.ok == 0:
         raise RuntimeError(f"parallelism {parallelism}: {summary.fatal_error}")
-    # Successful rollouts over the level's time (start -> last completion). Each level runs whole waves
-    # (n = waves x parallelism), so a closed loop's synchronized waves are counted exactly; a middle window
-    # (middle_rate) would over-count them.
-    rate = (rec.ok / max(1e-9, max(rec.finish) - t0)) if rec.ok else 0.0
+    rate = level_rate(rec.finish, t0, parallelism, rec.ok)
     request_errors = sum(rec.errors.get(k, 0) for k in REQUEST_ERRORS)
     attempts = rec.ok + request_errors
     err_rate = request_errors / attempts if attempts else 0.0

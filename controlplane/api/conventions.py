@@ -21,7 +21,8 @@ def errors(*codes):
         else:
             out[code] = OpenApiResponse(s.ErrorSerializer, description={
                 401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
-                409: "Conflicts with the object's current state", 429: "Throttled"}.get(code, ""))
+                409: "Conflicts with the object's current state", 429: "Throttled",
+                503: "Temporarily unavailable (the task queue is down)"}.get(code, ""))
     return out
 
 

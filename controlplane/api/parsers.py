@@ -1,8 +1,12 @@
 """Raw JSONL request bodies: handed to the dataset service as a stream, never read whole."""
 from __future__ import annotations
 
+from rest_framework import parsers
+from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer, JSONRenderer
+
+from controlplane.jsonsafe import TooDeep, check_depth
 
 
 class RawBodyStream:
@@ -59,3 +63,18 @@ class NDJSONRenderer(BaseRenderer):
         if data is None:
             return b""
         return JSONRenderer().render(data) + b"\n"
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser with a bound on nesting: too deep is a 400, never a RecursionError (500)."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            data = super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise ParseError("JSON parse error - nested too deeply") from None
+        try:
+            check_depth(data)
+        except TooDeep as exc:
+            raise ParseError(f"JSON parse error - {exc}") from None
+        return data

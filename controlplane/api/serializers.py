@@ -7,6 +7,7 @@ from django.core.validators import RegexValidator
 from rest_framework import serializers
 
 from controlplane.access import visible_datasets, visible_endpoints
+from controlplane.limits import endpoint_errors
 from controlplane.datasets.models import Dataset
 from controlplane.endpoints.models import Endpoint
 from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
@@ -175,19 +176,25 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
         model = Endpoint
         fields = ["id", "name", "kind", "base_url", "replica_urls", "model_name", "api_flavor", "api_key",
                   "has_api_key", "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit",
-                  "tpm_limit", "last_health", "last_health_at", "owner", "created_at"]
-        read_only_fields = ["id", "has_api_key", "last_health", "last_health_at", "owner", "created_at"]
+                  "tpm_limit", "last_health", "last_health_at", "last_prewarm", "owner", "created_at"]
+        read_only_fields = ["id", "has_api_key", "last_health", "last_health_at", "last_prewarm", "owner",
+                            "created_at"]
+
+    def validate(self, attrs):
+        # the bounds the dashboard and admin check too (Endpoint.clean)
+        current = {f: getattr(self.instance, f) for f in ("base_url", "replica_urls")} if self.instance else {}
+        errors = endpoint_errors({**current, **attrs})
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
 
 
-class EndpointHealthSerializer(serializers.Serializer):
+class EndpointQueuedSerializer(serializers.Serializer):
     endpoint = serializers.IntegerField()
-    health = serializers.JSONField()
-    checked_at = serializers.DateTimeField(allow_null=True)
-
-
-class EndpointPrewarmSerializer(serializers.Serializer):
-    endpoint = serializers.IntegerField()
-    result = serializers.JSONField()
+    queued = serializers.ChoiceField(choices=["health", "prewarm"])
+    last_health = serializers.JSONField()
+    last_health_at = serializers.DateTimeField(allow_null=True)
+    last_prewarm = serializers.JSONField()
 
 
 # ---------------------------------------------------------------------------------------------- jobs

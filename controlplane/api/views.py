@@ -13,23 +13,23 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
-from rest_framework.parsers import JSONParser, MultiPartParser
+from rest_framework.parsers import MultiPartParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
 from controlplane.datasets import services as dataset_services
-from controlplane.endpoints import services as endpoint_services
+from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
 from controlplane.jobs import services as job_services
-from controlplane.jobs.export import iter_export_lines
+from controlplane.jobs.export import iter_export_lines, streamed_for
 from controlplane.jobs.models import JobMetricSample, Rollout
 
 from . import serializers as s
 from .conventions import READ_ERRORS, ApiMixin, errors
 from .exceptions import Conflict
 from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
-from .parsers import JSONLinesParser, NDJSONParser, NDJSONRenderer
+from .parsers import JSONLinesParser, JSONParser, NDJSONParser, NDJSONRenderer
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
             fileobj = request.data.get("file") or io.BytesIO(b"")  # an empty body has no stream
             source_filename = ""
         else:
-            data = request.data.copy() if hasattr(request.data, "copy") else dict(request.data)
+            # A plain dict of the parts: QueryDict.copy() deep-copies, which a spooled upload cannot survive.
+            data = {key: request.data.get(key) for key in request.data.keys()}
             for key, value in request.query_params.items():  # query fallbacks for the form fields
                 data.setdefault(key, value)
             ser = s.DatasetUploadSerializer(data=data)
@@ -181,23 +182,29 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
             raise Conflict(f"endpoint {instance.pk} is used by {n} job(s); delete those jobs first")
         instance.delete()
 
-    @extend_schema(summary="Check the endpoint's health now", request=None,
-                   responses={200: s.EndpointHealthSerializer, **errors(*READ_ERRORS)})
+    def _enqueue(self, kind):
+        endpoint = self.get_object()
+        try:
+            enqueue_endpoint_task(kind, endpoint)
+        except Exception as exc:  # noqa: BLE001 - broker down: nothing was sent
+            log.warning("could not enqueue %s of endpoint %s: %s", kind, endpoint.pk, exc)
+            return Response({"detail": "The task queue is unavailable; try again shortly.", "code": "unavailable"},
+                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return Response({"endpoint": endpoint.pk, "queued": kind, "last_health": endpoint.last_health,
+                         "last_health_at": endpoint.last_health_at, "last_prewarm": endpoint.last_prewarm},
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(summary="Check the endpoint's health (in a worker; the result lands in last_health)",
+                   request=None, responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def health(self, request, pk=None):
-        endpoint = self.get_object()
-        result = endpoint_services.check_health(endpoint)
-        endpoint.refresh_from_db(fields=["last_health", "last_health_at"])
-        health = result if isinstance(result, dict) else (endpoint.last_health or {"result": result})
-        return Response({"endpoint": endpoint.pk, "health": health, "checked_at": endpoint.last_health_at})
+        return self._enqueue("health")
 
-    @extend_schema(summary="Pre-warm the endpoint (a few tiny requests per replica)", request=None,
-                   responses={200: s.EndpointPrewarmSerializer, **errors(*READ_ERRORS)})
+    @extend_schema(summary="Pre-warm the endpoint (in a worker; the result lands in last_prewarm)", request=None,
+                   responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
-        endpoint = self.get_object()
-        result = endpoint_services.prewarm(endpoint)
-        return Response({"endpoint": endpoint.pk, "result": result if result is not None else {}})
+        return self._enqueue("prewarm")
 
 
 # ---------------------------------------------------------------------------------------------- jobs
@@ -333,7 +340,7 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     def export(self, request, pk=None):
         job = self.get_object()
         which = _query(s.ExportQuerySerializer, request)["which"]
-        response = StreamingHttpResponse(_encode_lines(iter_export_lines(job, which=which)),
+        response = StreamingHttpResponse(streamed_for(request, _encode_lines(iter_export_lines(job, which=which))),
                                          content_type=f"{NDJSON}; charset=utf-8")
         suffix = {"ok": "", "failed": "_failures", "all": "_all"}[which]
         response["Content-Disposition"] = f'attachment; filename="job-{job.pk}{suffix}.jsonl"'

@@ -27,33 +27,31 @@ def _active_job_ids(user):
                 .values_list("pk", flat=True)[:MAX_OVERVIEW_JOBS])
 
 
-class JobConsumer(AsyncJsonWebsocketConsumer):
-    """ws/jobs/<job_id>/ : the live progress of one job."""
+class ProgressConsumer(AsyncJsonWebsocketConsumer):
+    """Base of the progress sockets: authenticated users only; joins the groups `groups_for` returns (None:
+    refuse the handshake), forwards `job.progress` messages (events.progress_payload) unchanged, answers
+    pings, leaves its groups on disconnect."""
 
-    groups: list = []
+    async def groups_for(self, user) -> list[str] | None:
+        raise NotImplementedError
 
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close()  # before accept: the handshake is refused
             return
-        try:
-            job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
-        except (KeyError, TypeError, ValueError):
+        joined = await self.groups_for(user)
+        if joined is None:
             await self.close()
             return
-        if await _visible_job_id(user, job_id) is None:
-            await self.close()
-            return
-        self.job_id = job_id
-        self.group = job_group(job_id)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        self.joined = joined
+        for g in joined:
+            await self.channel_layer.group_add(g, self.channel_name)
         await self.accept()
 
     async def disconnect(self, code):
-        group = getattr(self, "group", None)
-        if group:
-            await self.channel_layer.group_discard(group, self.channel_name)
+        for g in getattr(self, "joined", []):
+            await self.channel_layer.group_discard(g, self.channel_name)
 
     async def receive_json(self, content, **kwargs):
         # Clients only listen; a ping keeps proxies from closing an idle socket.
@@ -64,27 +62,24 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(event)
 
 
-class OverviewConsumer(AsyncJsonWebsocketConsumer):
+class JobConsumer(ProgressConsumer):
+    """ws/jobs/<job_id>/ : the live progress of one job."""
+
+    async def groups_for(self, user):
+        try:
+            job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if await _visible_job_id(user, job_id) is None:
+            return None
+        self.job_id = job_id
+        self.group = job_group(job_id)
+        return [self.group]
+
+
+class OverviewConsumer(ProgressConsumer):
     """ws/overview/ : progress of every active job the user can see (joined at connect; the page
     refreshes its list from /overview.json and reconnects to pick up jobs started later)."""
 
-    async def connect(self):
-        user = self.scope.get("user")
-        if user is None or not user.is_authenticated:
-            await self.close()
-            return
-        self.joined = [job_group(i) for i in await _active_job_ids(user)]
-        for g in self.joined:
-            await self.channel_layer.group_add(g, self.channel_name)
-        await self.accept()
-
-    async def disconnect(self, code):
-        for g in getattr(self, "joined", []):
-            await self.channel_layer.group_discard(g, self.channel_name)
-
-    async def receive_json(self, content, **kwargs):
-        if isinstance(content, dict) and content.get("type") == "ping":
-            await self.send_json({"type": "pong"})
-
-    async def job_progress(self, event):
-        await self.send_json(event)
+    async def groups_for(self, user):
+        return [job_group(i) for i in await _active_job_ids(user)]

@@ -6,6 +6,7 @@ import json
 from django import forms
 
 from controlplane.endpoints.models import Endpoint
+from controlplane.jsonsafe import loads as json_loads_bounded
 from controlplane.jobs.models import CollectionJob
 
 FAILURE_CLASSES = ["http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response",
@@ -20,8 +21,8 @@ class JSONDictField(forms.CharField):
         if not value:
             return {}
         try:
-            obj = json.loads(value)
-        except json.JSONDecodeError as e:
+            obj = json_loads_bounded(value)
+        except ValueError as e:  # JSONDecodeError, or nested too deeply
             raise forms.ValidationError(f"not valid JSON: {e}") from e
         if not isinstance(obj, dict):
             raise forms.ValidationError("must be a JSON object")
@@ -50,6 +51,11 @@ class EndpointForm(forms.ModelForm):
         urls = [u.strip() for u in (self.cleaned_data.get("replica_urls_text") or "").splitlines() if u.strip()]
         v = forms.URLField(assume_scheme="http")
         return [v.clean(u) for u in urls]
+
+    def clean(self):
+        # The model's clean() (operator limits, allowed hosts) then checks the replicas too.
+        self.instance.replica_urls = self.cleaned_data.get("replica_urls_text") or []
+        return super().clean()
 
 
 class LaunchJobForm(forms.Form):

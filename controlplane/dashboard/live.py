@@ -3,37 +3,16 @@ of controlplane/jobs/events.py, so a page reload (or a reconnecting socket) show
 stream showed. Also the metric series behind the charts."""
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from datetime import timedelta
 
 from django.db import connection
 from django.utils import timezone
 
-from controlplane.jobs.models import JobMetricSample, JobState
+from controlplane.jobs.events import job_progress
+from controlplane.jobs.models import JobMetricSample
 
-# A worker's latest sample counts toward the job's current rate while it is this fresh.
-RATE_WINDOW_S = 10
 SERIES_MAX_POINTS = 1800  # seconds of history the charts start with
-
-
-def current_rates(job) -> dict:
-    """Sum of each worker's latest sample within RATE_WINDOW_S (only while the job runs)."""
-    out = {"samples_per_s": 0.0, "output_tokens_per_s": 0.0, "in_flight": 0, "parallelism": 0, "errors": {}}
-    if job.state != JobState.RUNNING:
-        return out
-    cutoff = timezone.now() - timedelta(seconds=RATE_WINDOW_S)
-    latest: dict[str, JobMetricSample] = {}
-    for s in JobMetricSample.objects.filter(job=job, t__gte=cutoff).order_by("-t")[:200]:
-        latest.setdefault(s.worker, s)
-    for s in latest.values():
-        out["samples_per_s"] += s.samples_per_s
-        out["output_tokens_per_s"] += s.output_tokens_per_s
-        out["in_flight"] += s.in_flight
-        out["parallelism"] += s.parallelism
-        for k, v in (s.errors or {}).items():
-            out["errors"][k] = out["errors"].get(k, 0) + v
-    return out
 
 
 def elapsed_s(job) -> float | None:
@@ -50,35 +29,16 @@ def average_rate(job) -> float | None:
     return job.done_count / el
 
 
-def job_snapshot(job) -> dict:
-    """The `job.progress` payload rebuilt from the database (plus a few display-only fields)."""
-    rates = current_rates(job)
-    remaining = max(job.total_rollouts - job.done_count, 0)
-    eta = None
-    if job.state == JobState.RUNNING and rates["samples_per_s"] > 0:
-        eta = remaining / rates["samples_per_s"]
-    elif remaining == 0 and job.total_rollouts:
-        eta = 0.0
-    return {
-        "type": "job.progress",
-        "job_id": job.pk,
-        "state": job.state,
-        "total": job.total_rollouts,
-        "completed": job.completed_count,
-        "failed": job.failed_count,
-        "done": job.done_count,
-        "in_flight": rates["in_flight"],
-        "parallelism": rates["parallelism"] or job.num_samples_in_parallel,
-        "samples_per_s": round(rates["samples_per_s"], 3),
-        "output_tokens_per_s": round(rates["output_tokens_per_s"], 3),
-        "eta_s": eta,
-        "errors": rates["errors"],
-        "t": time.time(),
-        "stalled": job.stalled,
+def job_snapshot(job, now=None) -> dict:
+    """The `job.progress` message rebuilt from the database by the same builder the live stream uses
+    (controlplane.jobs.events.job_progress), plus a few display-only fields."""
+    out = job_progress(job, now)
+    out.update({
         "avg_samples_per_s": average_rate(job),
         "elapsed_s": elapsed_s(job),
         "error_message": job.error_message,
-    }
+    })
+    return out
 
 
 def metric_series(job, max_points: int = SERIES_MAX_POINTS) -> dict:
@@ -141,3 +101,34 @@ def _series_postgres(job_id, since):
         for sec, key, n in cur.fetchall():
             err[sec][key] = int(n)
     return buckets, err
+
+
+def parallelism_run(job_ids) -> dict[int, dict]:
+    """The parallelism each job actually ran at (an adaptive job moves far from its configured value):
+    per second, the sum over its chunk series of their parallelism while they had requests in flight;
+    then min / mean / max over those seconds. {job_id: {"min", "mean", "max"}}, jobs without samples left out."""
+    job_ids = list(job_ids)
+    if not job_ids:
+        return {}
+    per_sec: dict[tuple[int, int], dict[str, int]] = {}
+    if connection.vendor == "postgresql":
+        table = JobMetricSample._meta.db_table
+        with connection.cursor() as cur:
+            cur.execute(
+                f"SELECT job_id, min(p)::float, avg(p)::float, max(p)::float FROM ("
+                f"  SELECT job_id, sec, sum(p) AS p FROM ("
+                f"    SELECT job_id, floor(extract(epoch FROM t))::bigint AS sec, worker, max(parallelism) AS p"
+                f"    FROM {table} WHERE job_id = ANY(%s) AND in_flight > 0 GROUP BY job_id, sec, worker"
+                f"  ) s GROUP BY job_id, sec"
+                f") j GROUP BY job_id",
+                [job_ids],
+            )
+            return {jid: {"min": int(lo), "mean": round(mean, 1), "max": int(hi)} for jid, lo, mean, hi in cur.fetchall()}
+    for jid, t, worker, p in (JobMetricSample.objects.filter(job_id__in=job_ids, in_flight__gt=0)
+                              .values_list("job_id", "t", "worker", "parallelism")):
+        series = per_sec.setdefault((jid, int(t.timestamp())), {})
+        series[worker] = max(series.get(worker, 0), p)
+    by_job: dict[int, list[int]] = defaultdict(list)
+    for (jid, _), series in per_sec.items():
+        by_job[jid].append(sum(series.values()))
+    return {jid: {"min": min(v), "mean": round(sum(v) / len(v), 1), "max": max(v)} for jid, v in by_job.items()}

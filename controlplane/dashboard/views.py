@@ -8,6 +8,8 @@ from datetime import timedelta
 
 from django.contrib import messages
 from django.core.exceptions import ValidationError
+from django.utils.http import url_has_allowed_host_and_scheme
+from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -144,11 +146,24 @@ LIST_FIELDS = ["id", "job_id", "task_index", "rollout_index", "status", "failure
                "ttft_ms", "output_tokens", "attempts", "created_at"]
 
 
-def _int_or_none(v):
+def csv_cell(text: str) -> str:
+    """A user-written cell a spreadsheet must not run as a formula: a leading = + - @ (or tab, CR) gets a
+    leading apostrophe (the OWASP practice)."""
+    text = str(text)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def _int_or_none(v, lo=None, hi=None):
+    """An int from a query parameter, clamped to [lo, hi] when given; None when absent or not a number."""
     try:
-        return int(v) if v not in (None, "") else None
+        n = int(v) if v not in (None, "") else None
     except ValueError:
         return None
+    if n is not None and lo is not None:
+        n = max(lo, n)
+    if n is not None and hi is not None:
+        n = min(hi, n)
+    return n
 
 
 @login_required
@@ -157,7 +172,8 @@ def rollouts(request, job_id):
     job = _get_job(request, job_id)
     form = RolloutFilterForm(request.GET or None)
     qs = form.apply(Rollout.objects.filter(job=job).only(*LIST_FIELDS)) if request.GET else Rollout.objects.filter(job=job).only(*LIST_FIELDS)
-    after, before = _int_or_none(request.GET.get("after")), _int_or_none(request.GET.get("before"))
+    after = _int_or_none(request.GET.get("after"), lo=0, hi=2**63 - 1)  # ids are bigints
+    before = _int_or_none(request.GET.get("before"), lo=0, hi=2**63 - 1)
     size = _int_or_none(request.GET.get("size")) or 50
     page = keyset_page(qs, after=after, before=before, size=size)
     attach_excerpts(page.rows, Rollout.objects.filter(job=job))
@@ -328,14 +344,14 @@ def endpoints(request):
 def endpoint_health(request, endpoint_id):
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
     try:
-        from controlplane.endpoints.services import check_health
-
-        check_health(ep)
-    except ImportError:
-        messages.error(request, "health checks are not available yet")
-    except Exception as e:  # noqa: BLE001 - show the reason, the page stays up
-        messages.error(request, f"health check failed: {e}")
-    return redirect(request.POST.get("next") or "dashboard:endpoints")
+        enqueue_endpoint_task("health", ep)  # a worker calls the server; the result shows on the page when done
+        messages.info(request, f"health check of {ep.name} queued; reload to see the result")
+    except Exception:  # noqa: BLE001 - broker down: say so, the page stays up
+        messages.error(request, "the task queue is unavailable; try again shortly")
+    nxt = request.POST.get("next") or ""
+    if not url_has_allowed_host_and_scheme(nxt, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
+        nxt = "dashboard:endpoints"  # only a page of this site
+    return redirect(nxt)
 
 
 # --- Compare ----------------------------------------------------------------------------------
@@ -344,7 +360,7 @@ def endpoint_health(request, endpoint_id):
 def compare(request):
     ids = []
     for v in request.GET.getlist("jobs"):
-        ids += [int(x) for x in v.replace(",", " ").split() if x.isdigit()]
+        ids += [int(x) for x in v.replace(",", " ").split() if x.isdigit() and len(x) <= 18]  # fits a bigint
     ids = list(dict.fromkeys(ids))
     visible = visible_jobs(request.user).select_related("dataset", "endpoint")
     choices = list(visible.order_by("-created_at")[:100])
@@ -371,6 +387,7 @@ def _history_rows(user, days: int | None):
 
         live_means = dict(Rollout.objects.filter(job_id__in=missing, status=Rollout.Status.OK)
                           .values("job_id").annotate(m=Avg("reward")).values_list("job_id", "m"))
+    ran = live.parallelism_run(j.pk for j in jobs)
     rows = []
     for j in jobs:
         el = live.elapsed_s(j)
@@ -382,6 +399,7 @@ def _history_rows(user, days: int | None):
             "elapsed_s": el,
             "samples_per_s": (j.done_count / el) if el else None,
             "mean_reward": rm if rm is not None else live_means.get(j.pk),
+            "parallelism": ran.get(j.pk),  # what it actually ran at (min / mean / max)
         })
     return rows
 
@@ -389,21 +407,25 @@ def _history_rows(user, days: int | None):
 @login_required
 @require_GET
 def history(request):
-    days = _int_or_none(request.GET.get("days"))
+    days = _int_or_none(request.GET.get("days"), lo=0, hi=36500)  # timedelta overflows near 10**9 days
     rows = _history_rows(request.user, days)
     if request.GET.get("format") == "csv":
         resp = HttpResponse(content_type="text/csv")
         resp["Content-Disposition"] = 'attachment; filename="throughput_log.csv"'
         w = csv.writer(resp)
         w.writerow(["date", "job_id", "name", "state", "dataset", "model", "num_samples_in_parallel", "rollouts",
-                    "elapsed_sec", "samples_per_sec", "avg_reward"])
+                    "elapsed_sec", "samples_per_sec", "avg_reward", "parallelism_run_mean", "parallelism_run_min",
+                    "parallelism_run_max"])
         for r in rows:
             j = r["job"]
-            w.writerow([r["date"].isoformat(), j.pk, j.name, j.state, j.dataset.name, j.endpoint.model_name,
+            w.writerow([r["date"].isoformat(), j.pk, csv_cell(j.name), j.state, csv_cell(j.dataset.name),
+                        csv_cell(j.endpoint.model_name),
                         j.num_samples_in_parallel, r["rollouts"],
                         f"{r['elapsed_s']:.3f}" if r["elapsed_s"] is not None else "",
                         f"{r['samples_per_s']:.4f}" if r["samples_per_s"] is not None else "",
-                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else ""])
+                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else "",
+                        *((r["parallelism"]["mean"], r["parallelism"]["min"], r["parallelism"]["max"])
+                          if r["parallelism"] else ("", "", ""))])
         return resp
     chart = {
         "t": [int(r["date"].timestamp()) for r in rows],

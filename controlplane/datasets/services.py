@@ -16,6 +16,7 @@ from django.db import connection, transaction
 from workers.nemo_jsonl import Report, StreamStats, classify_lines, iter_chunks
 
 from .models import Dataset, DatasetRow
+from workers.task_index import TaskIndexTracker
 
 INSERT_BATCH_ROWS = 1000
 
@@ -116,8 +117,10 @@ def ingest_jsonl(
     writer = _RowWriter(dataset, batch_rows)
     inserting = True  # stop inserting at the first bad line unless accept_partial
     chunks, close = iter_chunks(fileobj_or_path)
+    indices = TaskIndexTracker()
     try:
         for lineno, row, text, err in classify_lines(chunks, stats, report):
+            err = err or indices.check(row, report.good_rows, lineno)
             if err is None:
                 if inserting:
                     writer.add(report.good_rows, lineno, row, text)

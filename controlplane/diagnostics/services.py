@@ -47,9 +47,11 @@ def job_config(job) -> dict:
         "max_output_tokens": max_out if isinstance(max_out, int) else None,
         "verifier": job.verifier,
         "verify_mode": job.verify_mode,
-        # not stored on the endpoint model; may be given in the endpoint's last health report
-        "max_num_seqs": (getattr(ep, "last_health", None) or {}).get("max_num_seqs"),
-        "max_model_len": (getattr(ep, "last_health", None) or {}).get("max_model_len"),
+        # the server's settings as the user states them (per replica): an attribute of the endpoint when it
+        # has one, else its last health report; the diagnosis also reads them from /metrics
+        "max_num_seqs": getattr(ep, "max_num_seqs", None) or (getattr(ep, "last_health", None) or {}).get("max_num_seqs"),
+        "max_model_len": getattr(ep, "max_model_len", None) or (getattr(ep, "last_health", None) or {}).get("max_model_len"),
+        "replicas": len(ep.all_base_urls) if ep is not None else None,
     }
 
 

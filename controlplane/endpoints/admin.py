@@ -6,7 +6,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from .models import Endpoint
-from .services import check_health, prewarm
+from .tasks import enqueue
 
 
 class EndpointAdminForm(forms.ModelForm):
@@ -76,22 +76,21 @@ class EndpointAdmin(admin.ModelAdmin):
             items.append((r.get("url"), status))
         return format_html("<ul>{}</ul>", format_html_join("", "<li>{} — {}</li>", items))
 
+    def _enqueue(self, request, queryset, kind, cap):
+        # A worker calls the servers (never the web process); results land in last_health / last_prewarm.
+        try:
+            for ep in queryset[:cap]:
+                enqueue(kind, ep)
+        except Exception:  # noqa: BLE001 - broker down
+            self.message_user(request, "the task queue is unavailable; try again shortly", messages.ERROR)
+            return
+        self.message_user(request, f"{kind} queued for {min(cap, queryset.count())} endpoint(s); reload to see "
+                                   "the results", messages.SUCCESS)
+
     @admin.action(description="Check health of the selected endpoints")
     def action_check_health(self, request, queryset):
-        for ep in queryset[:50]:
-            res = check_health(ep)
-            if res["ok"]:
-                lat = ", ".join(f"{r.get('latency_ms')} ms" for r in res["replicas"])
-                self.message_user(request, f"{ep.name}: healthy ({lat})", messages.SUCCESS)
-            else:
-                self.message_user(request, f"{ep.name}: unhealthy — {res['error']}", messages.ERROR)
+        self._enqueue(request, queryset, "health", 50)
 
     @admin.action(description="Pre-warm the selected endpoints (4 tiny requests)")
     def action_prewarm(self, request, queryset):
-        for ep in queryset[:20]:
-            res = prewarm(ep, n=4)
-            if res["ok"]:
-                self.message_user(request, f"{ep.name}: pre-warmed, {res['succeeded']} requests, "
-                                           f"latencies {res['latencies_ms']} ms", messages.SUCCESS)
-            else:
-                self.message_user(request, f"{ep.name}: pre-warm errors — {'; '.join(res['errors'][:3])}", messages.ERROR)
+        self._enqueue(request, queryset, "prewarm", 20)

@@ -1,6 +1,9 @@
 """Model endpoints: vLLM or any OpenAI-compatible server, with one or several replicas."""
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from controlplane.limits import endpoint_errors
 
 
 class Endpoint(models.Model):
@@ -28,6 +31,7 @@ class Endpoint(models.Model):
     tpm_limit = models.PositiveIntegerField(null=True, blank=True)
     last_health = models.JSONField(default=dict, blank=True)
     last_health_at = models.DateTimeField(null=True, blank=True)
+    last_prewarm = models.JSONField(default=dict, blank=True)  # the latest pre-warm's result (a worker's)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -35,6 +39,12 @@ class Endpoint(models.Model):
 
     def __str__(self):
         return f"{self.name} ({self.model_name} @ {self.base_url})"
+
+    def clean(self):
+        errors = endpoint_errors({f: getattr(self, f) for f in ("base_url", "replica_urls", "request_timeout_s",
+                                                                 "connect_timeout_s", "max_retries")})
+        if errors:
+            raise ValidationError(errors)
 
     @property
     def all_base_urls(self):

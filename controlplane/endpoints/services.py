@@ -1,22 +1,32 @@
 """Endpoint domain logic: engine spec, health checks, pre-warm, redaction of the API key.
 
-Health and pre-warm are blocking (requests) with short timeouts: they are called from the admin, the
-API, management commands and Celery tasks, never from the engine's event loop. They never raise on
-network errors; they return {"ok": False, "error": "..."} instead. The API key is sent as a bearer
-token and never appears in what these functions return (errors are scrubbed of it).
+Health and pre-warm are blocking (requests) with short timeouts: they run in Celery tasks
+(controlplane.endpoints.tasks; the web process only enqueues them) and management commands, never in
+the web process nor on the engine's event loop. They never raise on network errors; they return
+{"ok": False, "error": "..."} instead. The API key is sent as a bearer token and never appears in what
+these functions return (errors are scrubbed of it).
+
+They call only URLs the operator allows (controlplane.limits, checked again right before each call),
+never follow redirects, read at most PROBE_MAX_BYTES of an answer, and report status codes, never a
+response body (the body of an internal page must not reach the user).
 """
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
+from django.conf import settings
 from django.utils import timezone
+
+from controlplane.limits import url_problem
 
 from workers.engine.types import EndpointSpec
 
 HEALTH_TIMEOUT_S = 5.0
+PROBE_MAX_BYTES = 1024 * 1024
 PREWARM_TIMEOUT_S = 60.0
 REDACTED = "********"
 
@@ -32,6 +42,7 @@ def endpoint_spec(endpoint) -> EndpointSpec:
         max_retries=endpoint.max_retries,
         rpm_limit=endpoint.rpm_limit,
         tpm_limit=endpoint.tpm_limit,
+        max_response_bytes=settings.ENGINE_MAX_RESPONSE_BYTES,
     )
 
 
@@ -120,19 +131,24 @@ def _check_one(endpoint, base: str, timeout: float) -> dict:
     Hosted APIs (kind openai) have no /health: only /v1/models."""
     base = normalize_base_url(base)
     out: dict[str, Any] = {"url": base, "ok": False}
+    if why := url_problem(base):
+        out["error"] = f"not called: {why}"
+        return out
     session = requests.Session()
     headers = _headers(endpoint)
     t0 = time.perf_counter()
     try:
         health_status = None
         if endpoint.kind != "openai":
-            r = session.get(base + "/health", headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
+            r = session.get(base + "/health", headers=headers, allow_redirects=False,
+                            timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
             health_status = r.status_code
             out["health_status"] = r.status_code
             if r.status_code >= 500:
                 out["error"] = f"/health answered HTTP {r.status_code}"
                 return out
-        r = session.get(base + "/v1/models", headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
+        r = session.get(base + "/v1/models", headers=headers, allow_redirects=False, stream=True,
+                        timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
         out["models_status"] = r.status_code
         out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         if r.status_code in (401, 403):
@@ -145,8 +161,12 @@ def _check_one(endpoint, base: str, timeout: float) -> dict:
                 out["error"] = f"/v1/models answered HTTP {r.status_code}"
             return out
         try:
-            models = [m.get("id") for m in r.json().get("data", []) if isinstance(m, dict)]
-        except ValueError:
+            raw = r.raw.read(PROBE_MAX_BYTES + 1, decode_content=True)
+            if len(raw) > PROBE_MAX_BYTES:
+                out["error"] = f"/v1/models answered more than {PROBE_MAX_BYTES} bytes"
+                return out
+            models = [m.get("id") for m in json.loads(raw).get("data", []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
             out["error"] = "/v1/models did not answer JSON"
             return out
         out["models"] = models[:20]
@@ -214,6 +234,9 @@ def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
     network errors."""
     path, body = _tiny_request(endpoint)
     urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
+    refused = [f"{u}: not called: {why}" for u in urls if (why := url_problem(u))]
+    if refused:
+        return {"ok": False, "sent": 0, "succeeded": 0, "latencies_ms": [], "errors": refused[:20]}
     timeout = timeout or min(endpoint.request_timeout_s, PREWARM_TIMEOUT_S)
     headers = {**_headers(endpoint), "Content-Type": "application/json"}
 
@@ -221,11 +244,12 @@ def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
         url = urls[i % len(urls)] + path
         t0 = time.perf_counter()
         try:
-            r = requests.post(url, json=body, headers=headers, timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
-            ms = round((time.perf_counter() - t0) * 1000, 1)
-            if r.status_code != 200:
-                return None, f"{url}: HTTP {r.status_code} {r.text[:200]}"
-            return ms, None
+            with requests.post(url, json=body, headers=headers, allow_redirects=False, stream=True,
+                               timeout=(min(timeout, endpoint.connect_timeout_s), timeout)) as r:
+                ms = round((time.perf_counter() - t0) * 1000, 1)
+                if r.status_code != 200:  # the status only: the body may be an internal page's
+                    return None, f"{url}: HTTP {r.status_code}"
+                return ms, None
         except requests.RequestException as exc:
             return None, f"{url}: {_short_error(exc)}"
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 from django.db import connection
+from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIRequest
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
@@ -75,6 +77,38 @@ def _iter_ok_lines_pg(job, chunk_size: int) -> Iterator[str]:
             row.setdefault("_ng_task_index", task_index)
             row.setdefault("_ng_rollout_index", rollout_index)
             yield _dumps(row)
+
+
+def aiter_sync(iterator: Iterator) -> AsyncIterator:
+    """An async iterator over a sync one, each step run by sync_to_async on the one thread that serves
+    this request's synchronous code (the server-side cursor lives on that thread's connection).
+
+    Under ASGI, Django serves a *sync* StreamingHttpResponse iterator by listing it whole first; this
+    one is consumed chunk by chunk as the client reads."""
+    step = sync_to_async(next, thread_sensitive=True)
+    done = object()
+
+    async def gen():
+        it = iter(iterator)
+        try:
+            while True:
+                chunk = await step(it, done)
+                if chunk is done:
+                    return
+                yield chunk
+        finally:  # a client that hangs up: close the generator (and its cursor) on its own thread
+            if hasattr(it, "close"):
+                await sync_to_async(it.close, thread_sensitive=True)()
+
+    return gen()
+
+
+def streamed_for(request, iterator: Iterator):
+    """The body iterator a StreamingHttpResponse should get for this request: async under ASGI (so it is
+    streamed, not listed first), the sync iterator itself under WSGI or the test client."""
+    if isinstance(getattr(request, "_request", request), ASGIRequest):
+        return aiter_sync(iterator)
+    return iterator
 
 
 def export_paths(path: str | os.PathLike) -> dict[str, Path]:

@@ -19,6 +19,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from controlplane import limits
 from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
@@ -69,6 +70,9 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
         errors["responses_create_params"] = "must be an object"
     if not isinstance(verifier_options, dict):
         errors["verifier_options"] = "must be an object"
+    # operator bounds, shared with every way in
+    errors.update(limits.job_errors(limit=limit, num_repeats=num_repeats,
+                                    num_samples_in_parallel=num_samples_in_parallel, chunk_size=chunk_size))
     if errors:
         raise ValidationError(errors)
 
@@ -111,6 +115,8 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
     _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
               chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
               responses_create_params=responses_create_params, verifier_options=verifier_options)
+    if quota := limits.quota_errors(owner, num_samples_in_parallel):
+        raise ValidationError(quota)
 
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
     with transaction.atomic():
@@ -148,7 +154,8 @@ def dispatch_chunks(job, chunk_ids=None):
         for chunk_id in ids:
             send_task(RUN_CHUNK_TASK, chunk_id)
 
-    transaction.on_commit(send)
+    # robust: a broker outage is logged, not raised after the job was committed; the watchdog re-sends.
+    transaction.on_commit(send, robust=True)
     return ids
 
 

@@ -21,7 +21,7 @@ from django.utils import timezone
 from workers.engine.materialize import materialize
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
-from .events import job_group, progress_payload
+from .events import LiveFigures, job_group, live_figures, progress_payload
 from .models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 
 logger = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class DbSink:
                         "state": job.state, "stalled": job.stalled, "total_rollouts": job.total_rollouts,
                         "parallelism": job.effective_parallelism}
         self.last_tick: ProgressTick | None = None
+        self.live: LiveFigures | None = None  # the job's live figures, all chunks summed (events.live_figures)
         self._job_stub = job  # for progress_payload's static fields
 
         self._flush_lock: asyncio.Lock | None = None
@@ -333,6 +334,7 @@ class DbSink:
             self.lease_lost = True
             logger.warning("job %s chunk %s: lease lost (another worker took the chunk)", self.job_id, self.chunk_id)
         self.job_row.update(self._read_job())
+        self.live = live_figures(self.job_id, now)  # every chunk of the job, not only this one
 
     # -- progress messages ----------------------------------------------------------------------
     def payload(self) -> dict:
@@ -340,15 +342,15 @@ class DbSink:
         job = self._job_stub
         row = self.job_row
         job.total_rollouts = row.get("total_rollouts", job.total_rollouts)
+        live = self.live
+        if live is None and tick is not None:  # before the first sample is stored: this chunk's own figures
+            live = LiveFigures(in_flight=tick.in_flight, parallelism=tick.parallelism, samples_per_s=tick.samples_per_s,
+                               done_per_s=tick.samples_per_s, output_tokens_per_s=tick.output_tokens_per_s,
+                               errors=dict(tick.errors or {}))
         return progress_payload(
             job, completed=row.get("completed_count", 0), failed=row.get("failed_count", 0),
-            state=row.get("state", job.state), stalled=row.get("stalled", False),
-            in_flight=tick.in_flight if tick else 0,
-            parallelism=tick.parallelism if tick else row.get("parallelism"),
-            samples_per_s=tick.samples_per_s if tick else 0.0,
-            output_tokens_per_s=tick.output_tokens_per_s if tick else 0.0,
-            errors=tick.errors if tick else {},
-        )
+            state=row.get("state", job.state), stalled=row.get("stalled", False), live=live,
+            parallelism=row.get("parallelism"))
 
     def _request_publish(self):
         """Coalesce: at most one message per min_publish_interval; the latest state always goes out."""

@@ -69,20 +69,33 @@ def test_delete_and_conflict_when_used(api, alice):
     assert r.status_code == 409 and "job" in r.json()["detail"]
 
 
-def test_health_and_prewarm_against_simulator(api, alice, simulator):
+@pytest.fixture
+def eager_tasks():
+    """Celery tasks run inline (as a worker would run them) so the test can read their results."""
+    from controlplane.celery import app
+
+    before = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    yield
+    app.conf.task_always_eager = before
+
+
+def test_health_and_prewarm_against_simulator(api, alice, simulator, eager_tasks):
     ep = make_endpoint(alice, base_url=simulator.url, model_name=simulator.model, api_key="")
     r = api.post(f"/api/endpoints/{ep.pk}/health/")
-    assert r.status_code == 200, r.content
-    assert r.json()["endpoint"] == ep.pk and r.json()["health"]["ok"] is True and r.json()["checked_at"]
-    ep.refresh_from_db()
-    assert ep.last_health["ok"] is True
+    assert r.status_code == 202, r.content
+    assert r.json()["endpoint"] == ep.pk and r.json()["queued"] == "health"
+    body = api.get(f"/api/endpoints/{ep.pk}/").json()
+    assert body["last_health"]["ok"] is True and body["last_health_at"]
     r = api.post(f"/api/endpoints/{ep.pk}/prewarm/")
-    assert r.status_code == 200, r.content
-    assert r.json()["result"]["ok"] is True and r.json()["result"]["succeeded"] == r.json()["result"]["sent"] > 0
+    assert r.status_code == 202, r.content
+    result = api.get(f"/api/endpoints/{ep.pk}/").json()["last_prewarm"]
+    assert result["ok"] is True and result["succeeded"] == result["sent"] > 0
 
 
-def test_health_of_unreachable_endpoint_is_reported_not_500(api, alice):
+def test_health_of_unreachable_endpoint_is_reported_not_500(api, alice, eager_tasks):
     ep = make_endpoint(alice, base_url="http://127.0.0.1:9", connect_timeout_s=0.5, request_timeout_s=1)
     r = api.post(f"/api/endpoints/{ep.pk}/health/")
-    assert r.status_code == 200, r.content
-    assert r.json()["health"]["ok"] is False and r.json()["health"]["replicas"][0]["error"]
+    assert r.status_code == 202, r.content
+    health = api.get(f"/api/endpoints/{ep.pk}/").json()["last_health"]
+    assert health["ok"] is False and health["replicas"][0]["error"]

@@ -1,5 +1,5 @@
-"""Real processes for the browser tests and the dashboard bench: daphne (ASGI: HTTP + WebSockets)
-and a Celery worker (threads pool), both pointed at a given database and Redis URL.
+"""Real processes for the browser tests and the benches: the ASGI web server (uvicorn, as deployed:
+HTTP + WebSockets; daphne only to compare with) and a Celery worker (threads pool), both pointed at a given database and Redis URL.
 
 They run on their own Redis database number (broker isolation: another suite's worker on the shared
 Redis never takes these chunks, and this worker never takes theirs)."""
@@ -79,25 +79,38 @@ def child_env(database: str, redis: str, **extra) -> dict:
     return env
 
 
-def start_daphne(env: dict, timeout=30.0) -> tuple[Proc, str]:
+def web_command(server: str, port: int) -> list[str]:
+    """The web server as scripts/demo.sh and docker/ start it (uvicorn), or daphne (comparisons only)."""
+    if server == "daphne":
+        return [str(VENV_BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
+    return [str(VENV_BIN / "uvicorn"), "controlplane.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+            "--ws", "websockets", "--no-access-log", "--timeout-graceful-shutdown", "5"]
+
+
+def start_web(env: dict, server: str = "uvicorn", timeout=30.0) -> tuple[Proc, str]:
     port = free_port()
-    p = Proc("daphne", [str(VENV_BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"], env)
+    p = Proc(server, web_command(server, port), env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if p.proc.poll() is not None:
-            raise RuntimeError(f"daphne exited: {p.output()}")
+            raise RuntimeError(f"{server} exited: {p.output()}")
         try:
             urllib.request.urlopen(url + "/accounts/login/", timeout=2).read()
             return p, url
         except OSError:
             time.sleep(0.2)
     p.stop()
-    raise RuntimeError(f"daphne did not answer on {url}: {p.output()}")
+    raise RuntimeError(f"{server} did not answer on {url}: {p.output()}")
 
 
-def start_celery(env: dict, concurrency=2, timeout=60.0) -> Proc:
-    name = f"dashtest{os.getpid()}@%h"
+def start_daphne(env: dict, timeout=30.0) -> tuple[Proc, str]:
+    """Kept for callers that name it: the deployed server (uvicorn)."""
+    return start_web(env, "uvicorn", timeout)
+
+
+def start_celery(env: dict, concurrency=2, timeout=60.0, name: str | None = None) -> Proc:
+    name = f"{name or 'dashtest'}{os.getpid()}@%h"
     p = Proc("celery", [str(VENV_BIN / "celery"), "-A", "controlplane", "worker", "-P", "threads", "-c", str(concurrency),
                         "-l", "info", "-n", name, "--without-gossip", "--without-mingle"], env)
     deadline = time.monotonic() + timeout

@@ -49,6 +49,12 @@ def test_job_run_stores_telemetry_and_is_diagnosed(settings, user, math_dataset,
     d = services.diagnose_job(job)
     assert d.verdict == "model_inference_bound", (d.scores, [(i.name, i.value) for i in d.held()])
     assert d.subtype == "server_saturated"
+    # the server's 4 slots, measured from /metrics (running while others waited), bound every figure
+    assert d.server_slots == 4 and "waited" in d.server_slots_bound
+    assert d.recommendations[0].setting == "max_num_seqs"
+    assert all(r.value <= 4 for r in d.recommendations if r.setting == "num_samples_in_parallel")
+    # outputs all stop at max_output_tokens 25: a truncation warning, never "reduce max_output_tokens"
+    assert "truncated_outputs" in {c.name for c in d.conditions}
 
     out = io.StringIO()
     call_command("diagnose", str(job.pk), "--json", stdout=out)
@@ -58,6 +64,7 @@ def test_job_run_stores_telemetry_and_is_diagnosed(settings, user, math_dataset,
     text = io.StringIO()
     call_command("diagnose", str(job.pk), stdout=text)
     assert "Model inference" in text.getvalue() and "Next steps" in text.getvalue()
+    assert "Model server capacity: 4 requests at once" in text.getvalue()
 
 
 def test_parallelism_auto_job_records_adaptive_decisions(user, math_dataset, sim_endpoint, simulator_factory):

@@ -38,7 +38,7 @@ def test_model_bound_server_saturated():
     assert d.confidence >= 0.7
     text = actions(d)
     assert "max_model_len" in text and "gpu_memory_utilization" in text and "0.95" in text
-    assert "max_num_batched_tokens" in text and "tensor parallelism" in text
+    assert "tensor_parallel_size" in text and "max_num_batched_tokens" not in text  # KV-bound: memory, not batching
     assert any(r.setting == "max_model_len" and r.value == 8192 for r in d.recommendations)
     names = {i.name: i for i in d.held()}
     assert {"model_share", "server_waiting_frac", "running_vs_max_num_seqs", "gpu_utilization"} <= set(names)

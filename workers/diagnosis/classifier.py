@@ -77,6 +77,9 @@ SWEEP_FLAT = 1.5  # below this: "time similar"
 # recommendations
 RATE_LIMIT_HEADROOM = 1.0  # parallelism <= RPM/60 * latency * headroom
 GPU_MEMORY_UTILIZATION_TRAINING = 0.95
+TRUNCATED_SHARE = 0.5  # share of outputs stopped by the token limit: a truncation warning
+RATE_CONNECTION_HEAVY = 0.20  # connection errors / timeouts on this share of attempts: a replica is down or hung
+REPLICA_CONCENTRATED = 0.70  # share of those errors on one replica: name it
 
 
 @dataclass
@@ -119,6 +122,8 @@ class Diagnosis:
     scores: dict[str, float] = field(default_factory=dict)
     label: str = ""
     subtype: str = ""  # e.g. "server_saturated" / "client_parallelism" for model-bound
+    server_slots: int | None = None  # requests the model server runs at once, all replicas (None: unknown)
+    server_slots_bound: str = ""  # where that figure comes from
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -182,6 +187,13 @@ def diagnose(ev: Evidence) -> Diagnosis:
     r.check("rate_429", ev.rate_429, RATE_429, "share of request attempts answered 429 Too Many Requests", NETWORK, 3.0)
     r.check("rate_timeout", ev.rate_timeout, RATE_TIMEOUT, "share of request attempts that timed out", NETWORK, 1.5)
     r.check("rate_connection", ev.rate_connection, RATE_CONNECTION, "share of request attempts with connection errors", NETWORK, 1.5)
+    r.check("connection_or_timeout_heavy", (ev.rate_connection or 0) + (ev.rate_timeout or 0) if ev.attempts else None,
+            RATE_CONNECTION_HEAVY, "connection errors + timeouts on this share of attempts: a replica is down or hung", NETWORK, 2.0)
+    if ev.replica_error_top_share is not None:
+        r.check("replica_errors_concentrated", ev.replica_error_top_share, REPLICA_CONCENTRATED,
+                f"share of connection errors / timeouts on one replica ({ev.replica_error_top})", NETWORK, 1.0)
+    r.note("server_slots", ev.server_slots, "requests the server runs at once: " + (ev.server_slots_bound or "unknown"))
+    r.note("truncated_share", ev.truncated_share, "share of outputs stopped by the token limit")
     rpm_util = None
     if ev.rpm_limit and ev.throughput_rps is not None:
         rpm_util = ev.throughput_rps * 60.0 / ev.rpm_limit
@@ -241,8 +253,14 @@ def diagnose(ev: Evidence) -> Diagnosis:
     r.check("loop_lag_p99_ms", ev.loop_lag_p99_ms, LOOP_LAG_P99_MS, "event-loop lag p99 (ms): the worker's loop is blocked" + lag_note, lag_owner, 3.0)
     r.check("loop_lag_mean_ms", ev.loop_lag_mean_ms, LOOP_LAG_MEAN_MS, "event-loop lag mean (ms)" + lag_note, lag_owner, 1.0)
     r.check("cpu_main_pct", ev.cpu_main_pct, CPU_MAIN_SATURATED_PCT, "CPU of the worker's event-loop process, % of one core" + lag_note, lag_owner, 1.0)
+    retrying = ((ev.rate_429 or 0) >= RATE_429 or (ev.rate_timeout or 0) >= RATE_TIMEOUT
+                or (ev.rate_connection or 0) >= RATE_CONNECTION)
     if (ev.verify_share or 0) < VERIFY_SHARE_SUPPORT:
-        r.check("overhead_share", ev.overhead_share, OVERHEAD_SHARE_BOUND, "share of each rollout's time outside model and verifier (our overhead, retries)", CONTROL_PLANE, 1.5)
+        # time outside model and verifier: retries and backoff when requests fail, else our own overhead
+        r.check("overhead_share", ev.overhead_share, OVERHEAD_SHARE_BOUND,
+                "share of each rollout's time outside model and verifier"
+                + (" (retries and backoff after failed requests)" if retrying else " (our own overhead)"),
+                NETWORK if retrying else CONTROL_PLANE, 1.5)
     if not (ev.rate_429 or 0) >= RATE_429:
         r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW, "in-flight requests / parallelism: slots not kept full", CONTROL_PLANE, 1.0, op="<")
 
@@ -280,7 +298,8 @@ def diagnose(ev: Evidence) -> Diagnosis:
     if verdict == MODEL:
         subtype = "server_saturated" if saturated else ("client_parallelism" if ev.vllm_scrapes or ev.gpu_count else "model_latency")
     diag = Diagnosis(verdict=verdict, confidence=confidence, summary="", evidence_items=r.items,
-                     scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype)
+                     scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype,
+                     server_slots=ev.server_slots, server_slots_bound=ev.server_slots_bound)
     diag.recommendations = _recommendations(verdict, subtype, ev, sweep_ratio)
     diag.conditions = _conditions(ev)
     diag.summary = _summary(diag, ev)
@@ -293,45 +312,108 @@ def rate_limit_parallelism(rpm: float, latency_s: float, headroom: float = RATE_
     return max(1, int(math.floor(rpm / 60.0 * latency_s * headroom)))
 
 
+def _bounded(target: int, ev: Evidence) -> tuple[int, str]:
+    """A parallelism figure bounded by what the server can run at once; returns (figure, the bound in words)."""
+    if ev.server_slots:
+        if target >= ev.server_slots:
+            return ev.server_slots, f"capped at the server's capacity: {ev.server_slots_bound}"
+        return target, f"within the server's capacity: {ev.server_slots_bound}"
+    return target, "no server capacity known (state max_num_seqs on the endpoint, or point telemetry at /metrics)"
+
+
+def _kv_pressure(ev: Evidence) -> bool:
+    return (ev.vllm_preemptions or 0) >= 1 or (ev.vllm_kv_max or 0) >= KV_HIGH
+
+
+def _truncated(ev: Evidence) -> bool:
+    return (ev.truncated_share or 0) >= TRUNCATED_SHARE
+
+
 def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: float | None) -> list[Recommendation]:
     recs: list[Recommendation] = []
     par = int(round(ev.parallelism)) if ev.parallelism else None
     sweep_rec = (ev.sweep or {}).get("recommended")
     if verdict == MODEL:
         if subtype != "server_saturated":
-            target = sweep_rec or (min(par * 2, ev.max_num_seqs) if par and ev.max_num_seqs and ev.max_num_seqs > par else (par * 2 if par else None))
+            raw = sweep_rec or (par * 2 if par else None)
+            if raw:
+                target, bound = _bounded(int(raw), ev)
+                if par and target <= par:  # already at what the server can run
+                    recs.append(Recommendation(
+                        f"Add model-server replicas or raise max_num_seqs: parallelism {par} already fills the server",
+                        f"Bound: {bound}. More requests in flight would only wait in its queue.", "replicas", None))
+                else:
+                    recs.append(Recommendation(
+                        f"Raise parallelism (num_samples_in_parallel) to {target}",
+                        "Time goes to the model but the server shows room (no waiting queue, KV cache not full): more "
+                        f"requests in flight fill its batches. {'From the sweep. ' if sweep_rec else ''}Bound: {bound}.",
+                        "num_samples_in_parallel", target))
+        elif _kv_pressure(ev):
+            gmu = ev.server_gpu_memory_utilization
+            mml = ev.server_max_model_len or ev.max_model_len
+            if gmu is None or gmu < GPU_MEMORY_UTILIZATION_TRAINING:
+                recs.append(Recommendation(
+                    (f"Raise gpu_memory_utilization from {gmu:g} to {GPU_MEMORY_UTILIZATION_TRAINING}" if gmu is not None
+                     else f"Raise gpu_memory_utilization to {GPU_MEMORY_UTILIZATION_TRAINING}"),
+                    f"The KV cache is full (peak {_fmt_pct(ev.vllm_kv_max)}, {ev.vllm_preemptions or 0:.0f} preemptions): "
+                    "a larger cache admits more sequences without recomputing them (watch for OOM).",
+                    "gpu_memory_utilization", GPU_MEMORY_UTILIZATION_TRAINING))
+            need = None
+            if ev.max_output_tokens:
+                need = ev.max_output_tokens * 2  # prompt + output with room; the tasks' real need is below it
+            if mml and (need is None or need < mml):
+                to = need if need else min(mml // 2, 8192)
+                recs.append(Recommendation(
+                    f"Lower max_model_len from {mml} to what the tasks need (about {to})",
+                    "The KV cache holds {} requests of the full context; a shorter context holds more.".format(
+                        f"{ev.kv_max_concurrency:.0f}" if ev.kv_max_concurrency else "few"),
+                    "max_model_len", to))
+            elif not mml:
+                recs.append(Recommendation("Lower max_model_len to what your tasks need (e.g. 4096-8192)",
+                                           "A shorter context leaves KV cache for more concurrent sequences.", "max_model_len", None))
             recs.append(Recommendation(
-                "Raise parallelism (num_samples_in_parallel)" + (f" to about {target}" if target else ""),
-                "Time goes to the model but the server shows room (no waiting queue, KV cache not full): more requests in "
-                "flight fill its batches. Watch throughput rise and stop where it flattens (or run a parallelism sweep).",
-                "num_samples_in_parallel", target))
+                "Spread the model over more GPUs (tensor_parallel_size = GPU count) or add replicas",
+                "More GPU memory per copy of the weights leaves more for the KV cache.", "tensor_parallel_size", None))
+            slots = ev.server_slots
+            if par and slots and par > slots:
+                recs.append(Recommendation(f"Lower parallelism to {slots} until the cache grows",
+                                           f"Bound: {ev.server_slots_bound}. Requests past it wait or get preempted.",
+                                           "num_samples_in_parallel", slots))
         else:
-            if sweep_rec:
-                recs.append(Recommendation(f"Keep parallelism near {sweep_rec} (the sweep's knee)",
-                                           "The server is saturated: more requests only wait in its queue.",
-                                           "num_samples_in_parallel", sweep_rec))
+            # slots full: the server runs all it can; more of it, not KV tuning
+            slots = ev.server_slots
+            per = None
+            if slots and ev.replicas:
+                per = max(1, slots // ev.replicas)
             recs.append(Recommendation(
-                "Lower max_model_len to what your tasks need (e.g. 4096-8192)",
-                "The full context reserves KV cache per sequence; a shorter one frees GPU memory for batching.",
-                "max_model_len", min(ev.max_model_len, 8192) if ev.max_model_len else 8192))
+                "Add model-server replicas" + (f" (now {ev.replicas}, {slots} requests at once in all)" if ev.replicas and slots else "")
+                + " or raise max_num_seqs" + (f" above {per} per replica" if per else ""),
+                "Every request slot is busy and requests wait in the server's queue"
+                + (f" (bound: {ev.server_slots_bound})" if slots else "")
+                + "; the KV cache is not the limit" + (f" (peak {_fmt_pct(ev.vllm_kv_max)})" if ev.vllm_kv_max is not None else "")
+                + ". More slots run more requests at once.", "max_num_seqs", None))
+            if ev.max_model_len or ev.server_max_model_len:
+                mbt = ev.server_max_model_len or ev.max_model_len
+                recs.append(Recommendation(f"Set max_num_batched_tokens >= max_model_len ({mbt})",
+                                           "Larger scheduler steps batch more tokens per step.", "max_num_batched_tokens", mbt))
+            else:
+                recs.append(Recommendation("Raise max_num_batched_tokens (at least max_model_len)",
+                                           "Larger scheduler steps batch more tokens per step.", "max_num_batched_tokens", None))
+            if par and slots and par > slots:
+                target = sweep_rec if sweep_rec and sweep_rec <= slots else slots
+                recs.append(Recommendation(
+                    f"Keep parallelism near {target}: more only waits in the server's queue",
+                    f"Bound: {ev.server_slots_bound}.", "num_samples_in_parallel", target))
+        if _truncated(ev):
             recs.append(Recommendation(
-                f"Raise gpu_memory_utilization from 0.9 to {GPU_MEMORY_UTILIZATION_TRAINING}",
-                "A larger KV cache admits more concurrent sequences (watch for OOM).",
-                "gpu_memory_utilization", GPU_MEMORY_UTILIZATION_TRAINING))
+                f"Outputs stop at the token limit ({_fmt_pct(ev.truncated_share)} of them"
+                + (f", max_output_tokens {ev.max_output_tokens}" if ev.max_output_tokens else "") + "): they are truncated",
+                "Truncated answers score badly and teach the model to stop mid-answer; raise the limit if the tasks need "
+                "it, do not lower it for speed.", "max_output_tokens", None))
+        elif ev.output_tokens_mean and ev.max_output_tokens and ev.output_tokens_mean < 0.5 * ev.max_output_tokens:
             recs.append(Recommendation(
-                "Set max_num_batched_tokens >= max_model_len",
-                "Better batching efficiency per scheduler step.",
-                "max_num_batched_tokens", ev.max_model_len))
-            recs.append(Recommendation(
-                "Use tensor parallelism (tensor_parallel_size = GPU count) or more replicas for large models",
-                "Spreads the model over GPUs: more memory for KV cache and faster steps.", "tensor_parallel_size", None))
-        recs.append(Recommendation(
-            "Reduce max_output_tokens to the minimum needed" + (f" (mean output now {ev.output_tokens_mean:.0f} tokens)" if ev.output_tokens_mean else ""),
-            "Generation time grows with output length: lower latency, higher throughput.", "max_output_tokens", None))
-        recs.append(Recommendation("Use a faster / smaller model where quality allows (e.g. 8B instead of 70B)",
-                                   "Model inference is the bottleneck.", None, None))
-        recs.append(Recommendation("Pre-warm the model server with a few dummy requests before a large collection",
-                                   "Ensures the model is loaded and caches are warm.", None, None))
+                f"Lower max_output_tokens from {ev.max_output_tokens} toward what outputs use (mean {ev.output_tokens_mean:.0f})",
+                "A smaller limit reserves less KV cache per request.", "max_output_tokens", None))
     elif verdict == VERIFICATION:
         if (ev.loop_lag_p99_ms or 0) >= LOOP_LAG_P99_MS:
             recs.insert(0, Recommendation("Run the verifier in the process pool (mark it cpu_bound = True)",
@@ -347,43 +429,57 @@ def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: floa
         if ev.cpu_cores:
             recs.append(Recommendation(f"Give verification more CPU (verify_processes, more workers); this host has {ev.cpu_cores} cores",
                                        "CPU-bound verifiers run in a process pool bounded by the cores.", "verify_processes", None))
-        recs.append(Recommendation("Profile the verifier (per-job profiling) and fix the function with the highest ttot",
-                                   "Seed 003: look for high tsub, high tavg x ncall, synchronous external calls.", None, None))
         recs.append(Recommendation("Do not raise parallelism: the model is not the limit",
                                    "More requests in flight only wait for the verifier.", None, None))
     elif verdict == NETWORK:
-        latency = ev.request_latency_s
-        rpm = ev.rpm_limit
-        estimated = False
-        if not rpm and ev.throughput_rps:
-            rpm = ev.throughput_rps * 60.0  # what the endpoint actually accepted while throttling
-            estimated = True
-        if rpm and latency:
-            p = rate_limit_parallelism(rpm, latency)
+        conn = (ev.rate_connection or 0) + (ev.rate_timeout or 0)
+        limited = (ev.rate_429 or 0) >= RATE_429 or (ev.rpm_limit and ev.throughput_rps
+                                                     and ev.throughput_rps * 60.0 / ev.rpm_limit >= RPM_UTILIZATION)
+        if ev.replica_error_top and (ev.replica_error_top_share or 0) >= REPLICA_CONCENTRATED:
+            n = ev.replica_errors.get(ev.replica_error_top, 0)
             recs.append(Recommendation(
-                f"Set parallelism <= RPM/60 x mean latency = {rpm:.0f}/60 x {latency:.2f} s = {p}",
-                ("RPM estimated from the accepted request rate while throttled. " if estimated else "")
-                + "More requests in flight than the rate allows only collect 429s and backoff.",
-                "num_samples_in_parallel", p))
-        else:
-            recs.append(Recommendation("Set parallelism below RPM/60 x mean latency (e.g. 500 RPM, 1 s -> 8)",
-                                       "Respect the tier's requests-per-minute limit.", "num_samples_in_parallel", None))
-        recs.append(Recommendation("Use adaptive parallelism (parallelism: auto)",
-                                   "It backs off on 429s and settles just under the limit.", "parallelism_auto", True))
-        recs.append(Recommendation("Reduce max_output_tokens to the minimum needed",
-                                   "Lower latency and fewer tokens against a TPM limit.", "max_output_tokens", None))
-        recs.append(Recommendation("Choose a higher service tier (e.g. service_tier: scale) for large generation runs",
-                                   "Higher throughput limits, higher cost.", "service_tier", "scale"))
-        if (ev.rate_timeout or 0) >= RATE_TIMEOUT or (ev.rate_connection or 0) >= RATE_CONNECTION:
-            recs.append(Recommendation("Check network stability between the worker and the endpoint",
-                                       "Timeouts / connection errors point at the network or an overloaded server.", None, None))
+                f"Take replica {ev.replica_error_top} out of the endpoint (or restart it)",
+                f"{_fmt_pct(ev.replica_error_top_share)} of the connection errors / timeouts ({n:.0f}) come from it; "
+                f"{_fmt_pct(conn)} of request attempts failed that way"
+                + (f", {ev.n_failed} rollouts failed" if ev.n_failed else "") + ". The other replicas answer.",
+                "replicas", ev.replica_error_top))
+        if limited:
+            latency = ev.request_latency_s
+            rpm = ev.rpm_limit
+            estimated = False
+            if not rpm and ev.throughput_rps:
+                rpm = ev.throughput_rps * 60.0  # what the endpoint actually accepted while throttling
+                estimated = True
+            if rpm and latency:
+                p = rate_limit_parallelism(rpm, latency)
+                p, bound = _bounded(p, ev)
+                recs.append(Recommendation(
+                    f"Set parallelism <= RPM/60 x mean latency = {rpm:.0f}/60 x {latency:.2f} s = {p}",
+                    ("RPM estimated from the accepted request rate while throttled. " if estimated else "")
+                    + f"Latency measured on this job's successful requests. Bound: {bound}. "
+                    "More requests in flight than the rate allows only collect 429s and backoff.",
+                    "num_samples_in_parallel", p))
+            else:
+                recs.append(Recommendation("Set parallelism below RPM/60 x mean latency (e.g. 500 RPM, 1 s -> 8)",
+                                           "Respect the tier's requests-per-minute limit.", "num_samples_in_parallel", None))
+            recs.append(Recommendation("Use adaptive parallelism (parallelism: auto)",
+                                       "It backs off on 429s and settles just under the limit.", "parallelism_auto", True))
+            recs.append(Recommendation("Choose a higher service tier (e.g. service_tier: scale) for large generation runs",
+                                       "Higher throughput limits, higher cost.", "service_tier", "scale"))
+        if conn >= RATE_CONNECTION and not recs:
+            recs.append(Recommendation(
+                "Check the model server and the network between the worker and it"
+                + (f" (timeouts: client timeout {ev.request_timeout_s:.0f} s)" if (ev.rate_timeout or 0) >= RATE_TIMEOUT and ev.request_timeout_s else ""),
+                f"{_fmt_pct(ev.rate_connection)} of attempts had connection errors, {_fmt_pct(ev.rate_timeout)} timed out.",
+                None, None))
+        if not recs:
+            recs.append(Recommendation("Check the endpoint's errors (5xx / 4xx) in the failed rollouts",
+                                       "Request errors dominate the run.", None, None))
     elif verdict == CONTROL_PLANE:
         recs.append(Recommendation("Move blocking work off the event loop (sink writes to a thread, CPU-heavy verifiers to the process pool: cpu_bound = True)",
                                    "The worker's event loop lags by {:.0f} ms (p99): requests and results wait for it.".format(ev.loop_lag_p99_ms or 0), None, None))
         recs.append(Recommendation("Spread the job over more workers (smaller chunks)",
                                    "One worker process cannot feed the endpoint at this rate.", "chunk_size", None))
-        recs.append(Recommendation("Profile the worker (per-job profiling) to find the per-row overhead",
-                                   "Large rows, per-row database writes or logging cost time on the loop.", None, None))
         recs.append(Recommendation("Do not raise parallelism until the overhead is fixed",
                                    "More concurrency adds load to the already saturated loop.", None, None))
     else:
@@ -404,8 +500,20 @@ def _conditions(ev: Evidence) -> list[Condition]:
         out.append(Condition(
             "oom_preemption", "Out of memory / preemptions",
             f"preemptions during the run: {ev.vllm_preemptions or 0:.0f}; peak KV-cache usage {_fmt_pct(ev.vllm_kv_max)} (threshold {_fmt_pct(KV_CRITICAL)})",
-            ["Reduce parallelism (num_samples_in_parallel)", "Reduce context length: lower max_model_len in the vLLM config",
-             "Reduce GPU memory: lower gpu_memory_utilization to 0.85-0.90", "Use a smaller model (8B instead of 70B) if acceptable"]))
+            ["Reduce parallelism (num_samples_in_parallel) to what the KV cache holds"
+             + (f" ({ev.kv_max_concurrency:.0f} requests of max_model_len)" if ev.kv_max_concurrency else ""),
+             "Reduce context length: lower max_model_len in the vLLM config"
+             + (f" (now {ev.server_max_model_len})" if ev.server_max_model_len else ""),
+             "If the server itself runs out of GPU memory (crashes, not preemptions): lower gpu_memory_utilization to 0.85-0.90"
+             + (f" (now {ev.server_gpu_memory_utilization:g})" if ev.server_gpu_memory_utilization else ""),
+             "Use a smaller model (8B instead of 70B) if acceptable"]))
+    if _truncated(ev):
+        out.append(Condition(
+            "truncated_outputs", "Outputs truncated at the token limit",
+            f"{_fmt_pct(ev.truncated_share)} of outputs stopped at the limit (threshold {_fmt_pct(TRUNCATED_SHARE)})"
+            + (f"; max_output_tokens {ev.max_output_tokens}" if ev.max_output_tokens else ""),
+            ["Raise max_output_tokens if the tasks need longer answers (check a few outputs)",
+             "Do not lower it for speed: truncated answers get low rewards"]))
     if (ev.rate_timeout or 0) >= RATE_TIMEOUT:
         out.append(Condition(
             "timeouts", "Timeouts",

@@ -99,6 +99,18 @@ class Evidence:
     verify_cache_hit_rate: float | None = None
     # parallelism sweep
     sweep: dict | None = None
+    # server capacity (what the server can run at once, summed over its replicas) and its stated settings
+    replicas: int | None = None  # replicas behind the endpoint
+    replicas_answering: int | None = None  # replicas whose /metrics answered (the fewest seen)
+    server_slots: int | None = None  # requests the server runs at once, over all replicas
+    server_slots_bound: str = ""  # which bound gave server_slots, in words
+    kv_max_concurrency: float | None = None  # requests of max_model_len the KV caches hold (summed)
+    server_gpu_memory_utilization: float | None = None  # as the server reports it
+    server_max_model_len: int | None = None  # as the server reports it
+    truncated_share: float | None = None  # finished requests stopped by the token limit
+    replica_errors: dict = field(default_factory=dict)  # replica URL -> connection errors / timeouts / failed scrapes
+    replica_error_top: str | None = None  # the replica with most of them
+    replica_error_top_share: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -268,18 +280,20 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
         p99s = sorted(lg.get("p99_ms") or 0.0 for lg in lags)
         ev.loop_lag_p99_ms = p99s[len(p99s) // 2]  # the median interval's p99: robust to one hiccup
 
-    vl = [x["vllm"] for x in tel if isinstance(x.get("vllm"), dict) and x["vllm"].get("ok")]
-    ev.vllm_scrapes = len(vl)
-    if vl:
-        running = [v.get("running") for v in vl if v.get("running") is not None]
-        waiting = [v.get("waiting") for v in vl if v.get("waiting") is not None]
-        kv = [v.get("kv_usage") for v in vl if v.get("kv_usage") is not None]
+    vl_all = [x["vllm"] for x in tel if isinstance(x.get("vllm"), dict) and x["vllm"].get("ok")]
+    vl = [v for v in vl_all if not v.get("baseline")]  # a baseline scrape's counters cover the server's life
+    ev.vllm_scrapes = len(vl_all)
+    if vl_all:
+        running = [v.get("running") for v in vl_all if v.get("running") is not None]
+        waiting = [v.get("waiting") for v in vl_all if v.get("waiting") is not None]
+        kv = [v.get("kv_usage") for v in vl_all if v.get("kv_usage") is not None]
         ev.vllm_running_mean = _mean(running)
         ev.vllm_running_max = max(running) if running else None
         ev.vllm_waiting_mean = _mean(waiting)
         ev.vllm_waiting_frac = (sum(1 for w in waiting if w > 0) / len(waiting)) if waiting else None
         ev.vllm_kv_mean = _mean(kv)
         ev.vllm_kv_max = max(kv) if kv else None
+    if vl:
         pre = [v.get("preemptions_delta") for v in vl if v.get("preemptions_delta") is not None]
         ev.vllm_preemptions = sum(pre) if pre else None
         ev.vllm_queue_mean_s = _wmean(((v.get("queue") or {}).get("mean"), (v.get("queue") or {}).get("count") or 0) for v in vl)
@@ -304,6 +318,7 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
         if config.get(key) not in (None, "", 0):
             setattr(ev, attr, cast(config[key]))
     ev.sweep = sweep
+    _capacity(ev, vl_all, vl, ticks, config)
     return ev
 
 
@@ -321,6 +336,68 @@ def _verification_evidence(ev: Evidence, ticks: list[dict]) -> None:
             last[t.get("worker") or ""] = (x.get("verify_cache_hits") or 0, x["verify_cache_lookups"] or 0)
     lookups = sum(n for _, n in last.values())
     ev.verify_cache_hit_rate = (sum(h for h, _ in last.values()) / lookups) if lookups else None
+
+
+def _capacity(ev: Evidence, vl_all: list[dict], vl: list[dict], ticks: list[dict], config: dict) -> None:
+    """What the server can run at once, over all its replicas, and which bound says so:
+    1. the user's statement (the endpoint's max_num_seqs per replica x replicas);
+    2. measured: the most requests running in a scrape that also had requests waiting (the server was full);
+    3. the KV cache: how many max_model_len requests it holds (vllm:cache_config_info), a floor for short ones.
+    Plus the server's own settings, truncation (finish reason `length`) and errors by replica."""
+    replicas = int(config.get("replicas") or 0) or max((v.get("replicas_total") or v.get("replicas") or 1 for v in vl_all), default=0) or None
+    ev.replicas = replicas
+    answering = [v.get("replicas") for v in vl_all if v.get("replicas")]
+    ev.replicas_answering = min(answering) if answering else None
+    caps = [v.get("capacity") for v in vl_all if v.get("capacity")]
+    cap = caps[-1] if caps else {}
+    ev.kv_max_concurrency = cap.get("kv_cache_max_concurrency")
+    ev.server_gpu_memory_utilization = cap.get("gpu_memory_utilization")
+    if cap.get("max_model_len"):
+        ev.server_max_model_len = int(cap["max_model_len"])
+    full = [v.get("running") for v in vl_all if (v.get("waiting") or 0) > 0 and v.get("running")]
+    if ev.max_num_seqs:
+        n = replicas or 1
+        ev.server_slots = ev.max_num_seqs * n
+        ev.server_slots_bound = (f"max_num_seqs {ev.max_num_seqs}" + (f" x {n} replicas" if n > 1 else "")
+                                 + " (the endpoint's stated setting)")
+    elif cap.get("max_num_seqs"):
+        ev.server_slots = int(cap["max_num_seqs"])
+        ev.server_slots_bound = f"max_num_seqs {ev.server_slots} (the server's /metrics, summed over replicas)"
+    elif full:
+        ev.server_slots = int(max(full))
+        ev.server_slots_bound = (f"{ev.server_slots} requests running while others waited (measured on the server's "
+                                 f"/metrics{', ' + str(ev.replicas_answering) + ' replicas' if (ev.replicas_answering or 0) > 1 else ''})")
+    elif ev.kv_max_concurrency:
+        ev.server_slots = int(ev.kv_max_concurrency)
+        ev.server_slots_bound = (f"the KV cache holds {ev.kv_max_concurrency:.0f} requests of max_model_len"
+                                 + (f" {ev.server_max_model_len}" if ev.server_max_model_len else "") + " (vllm:cache_config_info)")
+    # truncation: vLLM's finish reasons, else output lengths at the requested limit
+    fin: dict[str, float] = {}
+    for v in vl:
+        for k, n in (v.get("finished_delta") or {}).items():
+            fin[k] = fin.get(k, 0.0) + n
+    done = sum(n for k, n in fin.items() if k in ("stop", "length"))
+    shares = []
+    if done >= 10:
+        shares.append(fin.get("length", 0.0) / done)
+    if ev.max_output_tokens and ev.output_tokens_mean is not None:  # the client's view: outputs at the limit
+        shares.append(1.0 if ev.output_tokens_mean >= 0.98 * ev.max_output_tokens else 0.0)
+    ev.truncated_share = max(shares) if shares else None
+    # errors by replica: the engine's connection errors / timeouts per replica, and failed scrapes
+    by: dict[str, float] = {}
+    for t in ticks:
+        for url, n in (((t.get("extra") or {}).get("replica_errors")) or {}).items():
+            by[url.rstrip("/")] = by.get(url.rstrip("/"), 0) + int(n or 0)
+    if not by:
+        for v in vl_all:
+            for url in (v.get("replica_errors") or {}):
+                key = url.removesuffix("/metrics").rstrip("/")
+                by[key] = by.get(key, 0) + 1
+    ev.replica_errors = by
+    total = sum(by.values())
+    if total and (replicas or 0) > 1:
+        top = max(by, key=by.get)
+        ev.replica_error_top, ev.replica_error_top_share = top, by[top] / total
 
 
 def _run_totals(ticks: list[dict]) -> tuple[int, int]:

@@ -195,6 +195,7 @@ class _Run:
         self.tick_finished = 0
         self.tick_tokens = 0
         self.tick_errors: Counter = Counter()
+        self.tick_replica_errors: Counter = Counter()
         self.last_tick = self.t0
 
     # ---------------------------------------------------------------- feeding
@@ -438,6 +439,8 @@ class _Run:
                 return await self._attempt(url, body, result), False
             except _AttemptError as err:
                 self.tick_errors[err.failure_class] += 1
+                if err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT):
+                    self.tick_replica_errors[self.base_urls[idx]] += 1  # names a dead or hung replica
                 if not err.retryable or attempt >= ep.max_retries:
                     result.failure_class = err.failure_class
                     retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
@@ -461,10 +464,14 @@ class _Run:
         flavor = self.ep.api_flavor
         t_sent = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout) as resp:
+            cap = self.ep.max_response_bytes
+            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout,
+                                         allow_redirects=False) as resp:
                 status = resp.status
+                if (resp.content_length or 0) > cap:
+                    raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
                 if status != 200:
-                    text = (await resp.text(errors="replace"))[:300]
+                    text = (await resp.content.read(4096)).decode("utf-8", "replace")[:300]
                     retry_after = parse_retry_after(resp.headers.get("Retry-After"))
                     if status == 429:
                         raise _AttemptError(FailureClass.HTTP_429, f"HTTP 429 from {url}: {text}", True, retry_after)
@@ -483,7 +490,11 @@ class _Run:
                     t_first = t_last = None
                     buf = b""
                     done = False
+                    seen = 0
                     async for chunk in resp.content.iter_any():
+                        seen += len(chunk)
+                        if seen > cap:
+                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
                         buf += chunk
                         if b"\n" not in chunk:
                             continue
@@ -515,7 +526,12 @@ class _Run:
                     result.ttft_ms = ((t_first or now) - t_sent) * 1000.0
                     result.generation_ms = ((t_last or now) - (t_first or now)) * 1000.0
                 else:
-                    payload = json.loads(await resp.read())
+                    raw = bytearray()
+                    async for chunk in resp.content.iter_chunked(1 << 16):
+                        raw += chunk
+                        if len(raw) > cap:
+                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
+                    payload = json.loads(raw)
                     if isinstance(payload, dict) and payload.get("weight_version") and not result.weight_version:
                         result.weight_version = str(payload["weight_version"])
                     response = convert_answer(flavor, payload)
@@ -575,6 +591,9 @@ class _Run:
             if self.batcher is not None:
                 tick.extra.update(verify_pool_inflight=self.batcher.inflight, verify_pool_pending=len(self.batcher.pending),
                                   verify_pool_size=self.spec.verify_processes or os.cpu_count() or 1)
+        if len(self.base_urls) > 1:
+            tick.extra["replica_errors"] = dict(self.tick_replica_errors)
+            self.tick_replica_errors = Counter()
         self.tick_ok = self.tick_finished = self.tick_tokens = 0
         self.tick_errors = Counter()
         self.max_in_flight_seen = self.in_flight
@@ -688,12 +707,7 @@ async def run_collection(
     return await run.run(tasks)
 
 
-def run_collection_sync(
-    spec: CollectionSpec,
-    tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
-    sink: Sink,
-    control: Control | None = None,
-    verify_pool: VerifyPool | None = None,
-) -> RunSummary:
-    """`run_collection` in a fresh event loop (for threads, Celery tasks and scripts)."""
-    return asyncio.run(run_collection(spec, tasks, sink, control, verify_pool))
+def run_collection_sync(*args, **kwargs) -> RunSummary:
+    """`run_collection(spec, tasks, sink, control=None, verify_pool=None)` in a fresh event loop (for threads,
+    Celery tasks and scripts)."""
+    return asyncio.run(run_collection(*args, **kwargs))

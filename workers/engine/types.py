@@ -40,6 +40,7 @@ class EndpointSpec:
     rpm_limit: int | None = None  # client-side pacing when set
     tpm_limit: int | None = None
     read_timeout_s: float | None = None  # longest silence between streamed chunks; default request_timeout_s
+    max_response_bytes: int = 16 * 1024 * 1024  # a larger answer is a bad_response, never read whole
 
 
 @dataclass

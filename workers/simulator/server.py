@@ -361,7 +361,11 @@ async def metrics(request):
         running=e.running, waiting=waiting, waiting_capacity=0 if not e.admitting else waiting,
         kv_usage=e.kv_usage(), sleeping=e.sleep_level,
         cache_info={"block_size": "16", "num_gpu_blocks": str(cfg.kv_cache_tokens // 16),
-                    "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9"})
+                    "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
+                    # as vLLM 0.32 labels them: the KV cache's size and how many max_model_len requests it holds
+                    # (max_num_seqs is not among vLLM's labels, so not among these either)
+                    "kv_cache_size_tokens": str(cfg.kv_cache_tokens),
+                    "kv_cache_max_concurrency": f"{cfg.kv_cache_tokens / max(1, cfg.max_model_len):.1f}"})
     return web.Response(text=body, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

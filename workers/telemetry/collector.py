@@ -25,24 +25,15 @@ import collections
 import time
 from typing import Any
 
-from workers.engine.aggregate import quantile
 from workers.engine.types import TIMING_FIELDS
 
-from .host import GpuSampler, LoopLagMonitor, ProcessSampler
+from .host import GpuSampler, LoopLagMonitor, ProcessSampler, summarize
 from .vllm import VllmScraper
 
 
 
 def _summary(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    values.sort()
-    n = len(values)
-    return {
-        "mean": round(sum(values) / n, 3),
-        "p50": round(quantile(values, 0.5, "nearest"), 3),
-        "p99": round(quantile(values, 0.99, "nearest"), 3),
-    }
+    return summarize(values, 3)
 
 
 class TimingWindow:

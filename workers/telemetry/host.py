@@ -10,6 +10,16 @@ from typing import Any
 
 from workers.engine.aggregate import quantile
 
+
+def summarize(values: list[float], digits: int, suffix: str = "") -> dict | None:
+    """mean, p50 and p99 (nearest rank) of `values` (sorted in place), rounded; None when there are none."""
+    if not values:
+        return None
+    values.sort()
+    return {f"mean{suffix}": round(sum(values) / len(values), digits),
+            f"p50{suffix}": round(quantile(values, 0.5, "nearest"), digits),
+            f"p99{suffix}": round(quantile(values, 0.99, "nearest"), digits)}
+
 try:
     import psutil
 except Exception:  # pragma: no cover - psutil is a pinned dependency
@@ -108,17 +118,10 @@ class LoopLagMonitor:
 
     def collect(self) -> dict | None:
         lags, self._lags = self._lags, []
-        if not lags:
-            return None
-        lags.sort()
-        n = len(lags)
-        return {
-            "mean_ms": round(sum(lags) / n, 2),
-            "p50_ms": round(quantile(lags, 0.5, "nearest"), 2),
-            "p99_ms": round(quantile(lags, 0.99, "nearest"), 2),
-            "max_ms": round(lags[-1], 2),
-            "n": n,
-        }
+        out = summarize(lags, 2, "_ms")
+        if out is not None:
+            out.update(max_ms=round(lags[-1], 2), n=len(lags))
+        return out
 
 
 class GpuSampler:

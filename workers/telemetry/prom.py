@@ -103,6 +103,8 @@ class VllmSnapshot:
     histograms: dict[str, Histogram] = field(default_factory=dict)
     names_seen: dict[str, str] = field(default_factory=dict)  # logical name -> the metric name found
     info: dict[str, dict[str, str]] = field(default_factory=dict)  # e.g. cache_config_info labels
+    capacity: dict[str, float] = field(default_factory=dict)  # what the server says it can hold (see capacity_of)
+    finished: dict[str, float] = field(default_factory=dict)  # request_success_total by finished_reason
 
     @property
     def flavor(self) -> str:
@@ -180,7 +182,48 @@ def parse_metrics(text: str, t: float = 0.0) -> VllmSnapshot:
     for name in ("vllm:cache_config_info",):
         if name in samples and samples[name]:
             snap.info["cache_config"] = dict(samples[name][0][0])
+            snap.capacity = capacity_of([labels for labels, _ in samples[name]])
+    for labels, value in samples.get("vllm:request_success_total", samples.get("vllm:request_success", [])):
+        reason = labels.get("finished_reason") or "?"
+        if not math.isnan(value):
+            snap.finished[reason] = snap.finished.get(reason, 0.0) + value
     return snap
+
+
+def _num(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) and x > 0 else None
+
+
+def capacity_of(cache_configs: list[dict]) -> dict[str, float]:
+    """What a server states about its capacity, from `vllm:cache_config_info` labels (one label set per
+    engine), summed over engines:
+      kv_cache_max_concurrency  requests of max_model_len tokens the KV cache holds at once
+      kv_cache_size_tokens      KV-cache size in tokens
+      num_gpu_blocks, block_size
+      max_model_len             kv_cache_size_tokens / kv_cache_max_concurrency (vLLM 0.32 does not label it)
+      max_num_seqs              only when the server labels it (vLLM does not; the simulator does not either)
+      gpu_memory_utilization    the setting (not summed)
+    """
+    out: dict[str, float] = {}
+    for cfg in cache_configs:
+        for key in ("kv_cache_max_concurrency", "kv_cache_size_tokens", "num_gpu_blocks", "max_num_seqs"):
+            v = _num(cfg.get(key))
+            if v is not None:
+                out[key] = out.get(key, 0.0) + v
+        for key in ("gpu_memory_utilization", "block_size", "max_model_len"):
+            v = _num(cfg.get(key))
+            if v is not None:
+                out[key] = v
+        tokens, conc = _num(cfg.get("kv_cache_size_tokens")), _num(cfg.get("kv_cache_max_concurrency"))
+        if "max_model_len" not in out and tokens and conc:
+            out["max_model_len"] = float(round(tokens / conc))
+    if out:
+        out["engines"] = float(len(cache_configs))
+    return out
 
 
 def merge_snapshots(snaps: Iterable[VllmSnapshot]) -> VllmSnapshot:
@@ -196,6 +239,10 @@ def merge_snapshots(snaps: Iterable[VllmSnapshot]) -> VllmSnapshot:
             out.histograms[k] = _merge_hist(out.histograms.get(k), h)
         out.names_seen.update(s.names_seen)
         out.info.update(s.info)
+        for k, v in s.capacity.items():  # replicas add up; settings stay settings
+            out.capacity[k] = v if k in ("gpu_memory_utilization", "block_size", "max_model_len") else out.capacity.get(k, 0.0) + v
+        for k, v in s.finished.items():
+            out.finished[k] = out.finished.get(k, 0.0) + v
     return out
 
 
@@ -229,6 +276,12 @@ def window(prev: VllmSnapshot | None, cur: VllmSnapshot) -> dict:
             for q in QUANTILES:
                 entry[f"p{int(q * 100)}"] = d.quantile(q)
         out[key] = entry
+    if cur.capacity:
+        out["capacity"] = dict(cur.capacity)
+    if prev is not None and cur.finished and dt > 0:
+        delta = {k: v - prev.finished.get(k, 0.0) for k, v in cur.finished.items()}
+        if all(v >= 0 for v in delta.values()):
+            out["finished_delta"] = {k: v for k, v in delta.items() if v}
     if "cache_config" in cur.info:
         cfg = cur.info["cache_config"]
         out["cache_config"] = {k: cfg[k] for k in ("num_gpu_blocks", "block_size", "gpu_memory_utilization", "kv_cache_max_concurrency", "kv_cache_size_tokens", "max_num_seqs", "max_model_len") if k in cfg}

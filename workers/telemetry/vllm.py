@@ -21,6 +21,10 @@ def metrics_url(base_url: str) -> str:
 class VllmScraper:
     """`await scraper.scrape()` fetches every replica's /metrics, merges them and returns the window
     since the previous successful scrape (see prom.window), or a dict with `ok: False` and the error.
+    The first scrape of a replica is a baseline (`baseline: True`, gauges and capacity only): counters and
+    histograms are cumulative since the server started and would carry earlier jobs' requests.
+    `capacity` is what the replicas state about themselves, summed (prom.capacity_of); `replica_errors`
+    names the replicas whose /metrics failed this time.
     A server without /metrics (a hosted API) answers 404: `supported` becomes False after a few tries
     and later scrapes are skipped."""
 
@@ -33,6 +37,7 @@ class VllmScraper:
         self._session = session
         self._own_session = session is None
         self.prev: VllmSnapshot | None = None
+        self.prev_by_url: dict[str, VllmSnapshot] = {}
         self.last: dict | None = None
         self.failures = 0
         self.give_up_after = give_up_after
@@ -63,12 +68,38 @@ class VllmScraper:
             self.last = {"ok": False, "error": "; ".join(errors)[:500]}
             return self.last
         self.failures = 0
+        ok_urls = [u for u, r in zip(self.urls, results) if isinstance(r, VllmSnapshot)]
+        by_url = dict(zip(ok_urls, snaps))
+        # Deltas only between two scrapes of the SAME replicas: a replica seen for the first time (or back
+        # after failing) is a baseline, never a sample: its histograms cover the server's whole life.
+        paired = [u for u in ok_urls if u in self.prev_by_url]
         cur = merge_snapshots(snaps) if len(snaps) > 1 else snaps[0]
-        out = window(self.prev, cur)
+        if paired:
+            cur_p = merge_snapshots([by_url[u] for u in paired])
+            prev_p = merge_snapshots([self.prev_by_url[u] for u in paired])
+            prev_p.t = min(self.prev_by_url[u].t for u in paired)
+            cur_p.t = max(by_url[u].t for u in paired)
+            out = window(prev_p, cur_p)
+            for key in ("running", "waiting", "kv_usage"):  # gauges: every replica that answered now
+                out[key] = window(None, cur)[key]
+            out["capacity"] = dict(cur.capacity) if cur.capacity else out.get("capacity")
+        else:
+            out = window(None, cur)
+            out = {k: v for k, v in out.items() if k in ("running", "waiting", "kv_usage", "names", "capacity",
+                                                          "cache_config", "swapped")}
+            out["baseline"] = True
         out["ok"] = True
         out["replicas"] = len(snaps)
+        out["replicas_total"] = len(self.urls)
         if errors:
             out["errors"] = errors
+            out["replica_errors"] = {u: f"{type(r).__name__}: {r}"[:200] for u, r in zip(self.urls, results)
+                                     if not isinstance(r, VllmSnapshot)}
+        for u in self.urls:  # a replica that failed now is a baseline again when it comes back
+            if u in by_url:
+                self.prev_by_url[u] = by_url[u]
+            else:
+                self.prev_by_url.pop(u, None)
         self.prev = cur
         self.last = out
         return out

@@ -28,6 +28,8 @@ class Command(BaseCommand):
         w = self.stdout.write
         w(f"Job {job.pk} ({job.state}): {d['label']}" + (f" — confidence {d['confidence']:.2f}" if d["confidence"] else ""))
         w(d["summary"])
+        if d.get("server_slots"):
+            w(f"Model server capacity: {d['server_slots']} requests at once — {d['server_slots_bound']}")
         held = [i for i in d["evidence_items"] if i.get("holds")]
         if held:
             w("\nEvidence:")

@@ -471,9 +471,14 @@ class Command(BaseCommand):
 
         done_before = job.done_count
         t0 = time.monotonic()
+        self._first_progress_t = None  # when this run's rollouts started coming (set by on_progress)
         if job.state != JobState.COMPLETED:
             job = self._run(job, run_job_inline)
-        elapsed = time.monotonic() - t0
+        # "this run" counts from the first rollout in flight: a wait for a previous run's lease to expire
+        # is not collection time
+        started = self._first_progress_t or t0
+        self._lease_wait_s = started - t0
+        elapsed = time.monotonic() - started
 
         job.refresh_from_db()
         if job.output_path != str(out_path.resolve()):
@@ -495,6 +500,8 @@ class Command(BaseCommand):
 
         def on_progress(payload: dict):
             done = int(payload.get("done") or 0)
+            if getattr(self, "_first_progress_t", 0) is None and (payload.get("in_flight") or done > job.done_count):
+                self._first_progress_t = time.monotonic()
             if done > bar.n:
                 bar.update(done - bar.n)
             failed = int(payload.get("failed") or 0)
@@ -540,7 +547,9 @@ class Command(BaseCommand):
         rate = collected_now / elapsed if elapsed > 0 and collected_now else 0.0
         lines = [
             f"Job {job.pk} {job.state}: {job.completed_count} ok, {job.failed_count} failed of {job.total_rollouts}",
-            f"This run: {collected_now} rollouts in {elapsed:.1f}s ({rate:.2f} samples/s)",
+            f"This run: {collected_now} rollouts in {elapsed:.1f}s ({rate:.2f} samples/s)"
+            + (f"; waited {self._lease_wait_s:.0f}s before for a previous run's lease to expire"
+               if getattr(self, "_lease_wait_s", 0) >= 1 else ""),
             f"Mean reward: {reward:.4f}" if isinstance(reward, (int, float)) else "Mean reward: n/a",
             f"Rollouts:          {res['output']} ({res['ok_rows']} rows)",
             f"Failures:          {res['failures']} ({res['failed_rows']} rows)",

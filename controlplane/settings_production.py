@@ -1,0 +1,35 @@
+"""Production settings: the laptop settings plus what a deployment behind TLS needs.
+
+    DJANGO_SETTINGS_MODULE=controlplane.settings_production   (docker/compose.yml sets it)
+
+Refuses to start without a real DJANGO_SECRET_KEY. `manage.py check --deploy` is clean with these.
+Expects a TLS-terminating proxy (docker/Caddyfile) that sets X-Forwarded-Proto and X-Forwarded-For.
+"""
+from .settings import *  # noqa: F401,F403
+from .settings import REST_FRAMEWORK, env
+
+# Checked when Django starts (controlplane.api.apps): every process on these settings - web server,
+# workers, manage.py - refuses to start with the published laptop key or a weak one.
+REQUIRE_STRONG_SECRET_KEY = True
+
+DEBUG = False
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=[])  # the site's public name(s); none: every request 400
+
+# Behind the proxy: it terminates TLS and says so.
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env.bool("DJANGO_SECURE_SSL_REDIRECT", default=True)
+SESSION_COOKIE_SECURE = True
+CSRF_COOKIE_SECURE = True
+SESSION_COOKIE_HTTPONLY = True
+SECURE_HSTS_SECONDS = env.int("DJANGO_HSTS_SECONDS", default=31536000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=True)
+SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
+
+# One proxy (Caddy) in front by default: throttles and login lockouts key on the address it saw.
+WEB_TRUSTED_PROXIES = env.int("WEB_TRUSTED_PROXIES", default=1)
+REST_FRAMEWORK = {**REST_FRAMEWORK, "NUM_PROXIES": WEB_TRUSTED_PROXIES}
+AXES_IPWARE_PROXY_COUNT = WEB_TRUSTED_PROXIES or None
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["HTTP_X_FORWARDED_FOR", "REMOTE_ADDR"] if WEB_TRUSTED_PROXIES else ["REMOTE_ADDR"]
+
+# Model servers users may register: the compose service by default; a list of hosts or ".domain"s.
+ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["vllm"])

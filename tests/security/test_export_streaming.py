@@ -1,0 +1,73 @@
+"""Under ASGI (the deployed server), the JSONL export leaves in chunks as the rows are read: the first
+bytes are sent long before the last rows are fetched, so memory does not grow with the job."""
+from __future__ import annotations
+
+import asyncio
+import json
+import warnings
+
+import pytest
+from django.core.handlers.asgi import ASGIHandler
+from rest_framework.authtoken.models import Token
+
+from controlplane.jobs.models import CollectionJob, Rollout
+
+from .conftest import make_dataset, make_endpoint
+
+ROWS = 3000
+
+
+@pytest.fixture
+def big_job(transactional_db, django_user_model):
+    user = django_user_model.objects.create_user(username="exporter", password="pw-exporter-1")
+    job = CollectionJob.objects.create(owner=user, dataset=make_dataset(user), endpoint=make_endpoint(user),
+                                       state="completed", total_rollouts=ROWS)
+    pad = "x" * 400
+    Rollout.objects.bulk_create([Rollout(job=job, task_index=i, rollout_index=0, status="ok", reward=1.0,
+                                         data={"_ng_task_index": i, "_ng_rollout_index": 0, "text": pad})
+                                 for i in range(ROWS)], batch_size=1000)
+    return job, Token.objects.create(user=user).key
+
+
+async def test_export_is_streamed_under_asgi(big_job, monkeypatch):
+    job, token = big_job
+    from controlplane.jobs import export
+
+    produced = []
+    real = export.iter_export_lines
+
+    def counting(*a, **kw):
+        for line in real(*a, **kw):
+            produced.append(1)
+            yield line
+
+    monkeypatch.setattr(export, "iter_export_lines", counting)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": f"/api/jobs/{job.pk}/export/", "raw_path": f"/api/jobs/{job.pk}/export/".encode(),
+             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5555),
+             "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Token {token}".encode())]}
+    sent = []
+    rows_when_first_body = None
+
+    requested = []
+
+    async def receive():
+        if not requested:
+            requested.append(1)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client never hangs up
+
+    async def send(message):
+        nonlocal rows_when_first_body
+        if message["type"] == "http.response.body" and message.get("body") and rows_when_first_body is None:
+            rows_when_first_body = len(produced)
+        sent.append(message)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)  # Django warns when it must list a sync iterator whole
+        await ASGIHandler()(scope, receive, send)
+    assert sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    lines = body.splitlines()
+    assert len(lines) == ROWS and json.loads(lines[-1])["_ng_task_index"] == ROWS - 1
+    assert rows_when_first_body is not None and rows_when_first_body < ROWS / 4, rows_when_first_body
