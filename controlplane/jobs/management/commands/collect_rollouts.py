@@ -186,7 +186,8 @@ def _check(key: Key, value, verifiers) -> Any:
                 get_verifier(value)
                 return value
             except ValueError as exc:
-                raise ArgError(f"+verifier: {exc}") from None
+                raise ArgError(f"+verifier must be one of {', '.join(choices)}, an entry point or a dotted path "
+                               f"'module:object', got {json.dumps(value)} ({exc})") from None
         if value not in choices:
             raise ArgError(f"+{n} must be one of {', '.join(choices)}, got {json.dumps(value)}")
         return value
