@@ -180,6 +180,13 @@ CELERY_BEAT_SCHEDULE = {
 JOBS_LEASE_TIMEOUT_S = env.float("JOBS_LEASE_TIMEOUT_S", default=30.0)
 # A running job with no new rollout for this long is flagged stalled (the flag clears on progress).
 JOBS_STALL_AFTER_S = env.float("JOBS_STALL_AFTER_S", default=300.0)
+# Verification: the engine's process pool for CPU-bound verifiers (per worker process; default: cores),
+# calls at once for io / remote verifiers (sandboxed code, LLM judge), and the batch verification job's
+# own, higher parallelism.
+VERIFY_POOL_PROCESSES = env.int("VERIFY_POOL_PROCESSES", default=0) or None
+VERIFY_CONCURRENCY = env.int("VERIFY_CONCURRENCY", default=32)
+VERIFY_JOB_PROCESSES = env.int("VERIFY_JOB_PROCESSES", default=4)
+VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
 JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)

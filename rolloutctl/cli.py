@@ -153,7 +153,7 @@ def do_submit(client: Client, args) -> dict:
             "num_repeats": args.num_repeats, "num_samples_in_parallel": args.num_samples_in_parallel,
             "parallelism_auto": args.parallelism_auto, "verifier": args.verifier,
             "verifier_options": _parse_kv(args.verifier_option, "--verifier-option"), "verify_mode": args.verify_mode,
-            "profiling_enabled": args.profiling}
+            "profiling_enabled": args.profiling, "verify_cache": args.verify_cache}
     if args.name:
         body["name"] = args.name
     if args.limit is not None:
@@ -224,6 +224,32 @@ def do_export(client: Client, job_id: int, path: str, which: str = "ok") -> int:
         raise
     log(f"wrote {lines} {which} rollout(s) of job {job_id} to {path}")
     return lines
+
+
+def do_verify(client: Client, args) -> tuple[dict, int]:
+    """Start the batch verification of a finished job, then (unless --no-wait) follow it to its end."""
+    options = _parse_kv(args.verifier_option, "--verifier-option") if args.verifier_option else None
+    job = client.verify_job(args.job, args.verifier, options)
+    run = job.get("verification") or {}
+    log(f"verifying job {args.job} with {run.get('verifier')}: {run.get('total')} rollouts (run {run.get('id')})")
+    if args.no_wait:
+        return job, EXIT_OK
+    deadline = None if not args.timeout else time.monotonic() + args.timeout
+    while run.get("state") in ("pending", "running"):
+        if deadline is not None and time.monotonic() >= deadline:
+            log(f"timed out: {run.get('verified')}/{run.get('total')} verified")
+            return job, EXIT_TIMEOUT
+        time.sleep(args.poll_interval)
+        job = client.job(args.job)
+        run = job.get("verification") or {}
+    if run.get("state") != "done":
+        log(f"verification of job {args.job} {run.get('state')}: {run.get('error')}")
+        return job, EXIT_JOB
+    rate = run.get("cache_hit_rate")
+    log(f"job {args.job} verified: {run['verified']} rollouts, {run['errors']} verifier errors, "
+        f"mean/reward {job['aggregate_metrics'].get('mean/reward')}"
+        + (f", cache hit rate {rate:.0%}" if rate is not None else ""))
+    return job, EXIT_OK
 
 
 def jsonl_path(path: str) -> str:
@@ -307,9 +333,11 @@ def _add_submit(p):
     g.add_argument("--max-output-tokens", type=int)
     g.add_argument("--param", action="append", metavar="KEY=JSON",
                    help="responses_create_params override (repeatable), e.g. --param service_tier=\"flex\"")
-    g.add_argument("--verifier", default="math")
+    g.add_argument("--verifier", default="math",
+                   help="a registered name, an installed entry point, or your own by dotted path 'pkg.mod:fn'")
     g.add_argument("--verifier-option", action="append", metavar="KEY=JSON")
     g.add_argument("--verify-mode", default="inline", choices=["inline", "fast", "deferred"])
+    g.add_argument("--verify-cache", default="job", choices=["off", "job", "global"])
     g.add_argument("--chunk-size", type=int)
     g.add_argument("--profiling", action="store_true")
     g.add_argument("--idempotency-key", default=os.environ.get("ROLLOUTCTL_IDEMPOTENCY_KEY"),
@@ -362,6 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "has no extension)")
     p.add_argument("--which", choices=["ok", "failed", "all"], default="ok")
 
+    p = sub.add_parser("verify", help="verify this job: a batch run over its stored rollouts (deferred / fast jobs)")
+    _add_connection(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--verifier", help="verify with this verifier instead of the job's own")
+    p.add_argument("--verifier-option", action="append", metavar="KEY=JSON")
+    p.add_argument("--no-wait", action="store_true", help="start it and return")
+    _add_wait(p)
+    _add_gates(p)
+
     p = sub.add_parser("run", help="submit, wait, export and gate in one command")
     _add_connection(p)
     _add_submit(p)
@@ -407,6 +444,11 @@ def main(argv=None) -> int:
         if args.command == "export":
             do_export(client, args.job, args.output, args.which)
             return EXIT_OK
+        if args.command == "verify":
+            job, code = do_verify(client, args)
+            if code != EXIT_OK or args.no_wait:
+                return code
+            return do_gate(job, args.gates) if args.gates else EXIT_OK
         if args.command == "run":
             job = do_submit(client, args)
             print(job["id"], flush=True)

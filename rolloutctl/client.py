@@ -154,6 +154,16 @@ class Client:
     def job(self, job_id: int) -> dict:
         return self.get_json(f"jobs/{int(job_id)}/")
 
+    def verify_job(self, job_id: int, verifier: str | None = None, options: dict | None = None) -> dict:
+        """POST /jobs/ID/verify/: start (or find the running) batch verification of a finished job."""
+        body = {}
+        if verifier:
+            body["verifier"] = verifier
+        if options is not None:
+            body["verifier_options"] = options
+        # idempotent: an active run is reused, so a retried request starts nothing twice
+        return self.request("POST", f"jobs/{int(job_id)}/verify/", json=body, retry=True, expect=(202,)).json()
+
     def iter_export(self, job_id: int, which: str = "ok", chunk_bytes: int = 1 << 16) -> Iterator[bytes]:
         resp = self.request("GET", f"jobs/{int(job_id)}/export/", params={"which": which}, stream=True,
                             headers={"Accept": "application/x-ndjson"})

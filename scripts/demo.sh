@@ -43,6 +43,8 @@ wait_http() {  # wait_http URL SECONDS NAME
 log "setting up (Python packages, Redis)"
 bash scripts/bootstrap.sh requirements.txt
 [ -f scripts/frontend.sh ] && { command -v npm >/dev/null || apt_install nodejs npm; bash scripts/frontend.sh; }
+# the code-execution verifier's sandbox (it falls back to rlimits only, and says so, without it)
+command -v bwrap >/dev/null || apt_install bubblewrap || log "bubblewrap not installed: code runs under rlimits only"
 
 export REDIS_URL="$(redis_url)"
 log "database: ${DATABASE_URL:-SQLite file var/controlplane.sqlite3}"

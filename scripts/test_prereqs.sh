@@ -5,6 +5,8 @@ source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
 # Headless Chromium from Debian's packages for the browser tests (no browser download).
 apt_install chromium chromium-driver fonts-dejavu-core
+# Debian's bubblewrap: the sandbox the code-execution verifier runs programs in.
+apt_install bubblewrap
 # Front-end packages (chart library) from npm.
 [ -f scripts/frontend.sh ] && bash scripts/frontend.sh
 # Real vLLM on CPU with a tiny locally built model, for the `vllm` tests.

@@ -251,9 +251,13 @@ class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
     parallelism_auto = serializers.BooleanField(default=False)
     responses_create_params = serializers.DictField(required=False, default=dict,
                                                     help_text="Overrides merged into every row (temperature, top_p, max_output_tokens, ...)")
-    verifier = serializers.ChoiceField(choices=_known_verifiers(), default="math")
+    verifier = serializers.CharField(max_length=300, default="math",
+                                     help_text="A registered name (" + ", ".join(_known_verifiers()) + "), an installed "
+                                     "entry point, or a dotted path to your own verifier ('mypkg.checks:my_verifier')")
     verifier_options = serializers.DictField(required=False, default=dict)
     verify_mode = serializers.ChoiceField(choices=CollectionJob.VerifyMode.choices, default="inline")
+    verify_cache = serializers.ChoiceField(choices=["off", "job", "global"], default="job",
+                                           help_text="Compute identical verifications once per job, across jobs, or never")
     chunk_size = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_CHUNK_SIZE, default=5000)
     profiling_enabled = serializers.BooleanField(default=False)
 
@@ -293,8 +297,17 @@ class JobDetailSerializer(JobSerializer):
     elapsed_s = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
-        fields = [*JobSerializer.Meta.fields, "aggregate_metrics", "timing_summary", "elapsed_s"]
+        fields = [*JobSerializer.Meta.fields, "aggregate_metrics", "timing_summary", "elapsed_s", "verify_cache",
+                  "verification"]
         read_only_fields = fields
+
+    verification = serializers.SerializerMethodField(help_text="The latest batch verification run, if any")
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_verification(self, job):
+        from controlplane.jobs.verification import summary
+
+        return summary(job)
 
     def get_elapsed_s(self, job) -> float | None:
         if not job.started_at:
@@ -364,3 +377,9 @@ class ErrorSerializer(serializers.Serializer):
     detail = serializers.CharField()
     code = serializers.CharField(required=False)
     state = serializers.CharField(required=False)
+
+
+class VerifyRequestSerializer(StrictJSONTypes, serializers.Serializer):
+    verifier = serializers.CharField(max_length=300, required=False, allow_blank=True, default="",
+                                     help_text="Verify with this verifier instead of the job's own")
+    verifier_options = serializers.DictField(required=False, allow_null=True, default=None)

@@ -318,6 +318,22 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     def retry_failed(self, request, pk=None):
         return self._transition(request, "retry_failed")
 
+    @extend_schema(summary="Verify this job: a batch run over its stored rollouts (deferred or fast jobs, or to "
+                           "re-verify), updating rewards in place and re-aggregating", request=s.VerifyRequestSerializer,
+                   responses={202: s.JobDetailSerializer, **errors(400, 401, 404, 409, 429)})
+    @action(detail=True, methods=["post"])
+    def verify(self, request, pk=None):
+        from controlplane.jobs.verification import start_verification
+
+        job = self.get_object()
+        self._job_for_error = job
+        ser = s.VerifyRequestSerializer(data=request.data or {})
+        ser.is_valid(raise_exception=True)
+        start_verification(job, verifier=ser.validated_data["verifier"] or None,
+                           verifier_options=ser.validated_data["verifier_options"])
+        job.refresh_from_db()
+        return Response(s.JobDetailSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
     @extend_schema(
         summary="Export rollouts as NeMo Gym JSONL (streamed)",
         parameters=[s.ExportQuerySerializer],

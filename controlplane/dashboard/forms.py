@@ -71,9 +71,14 @@ class LaunchJobForm(forms.Form):
     service_tier = forms.CharField(required=False, max_length=50)
     extra_params = JSONDictField(required=False, label="Other responses_create_params",
                                  help_text='JSON object merged into every row, e.g. {"seed": 1}')
-    verifier = forms.ChoiceField(choices=[])
+    verifier = forms.CharField(max_length=300, initial="math",
+                               widget=forms.TextInput(attrs={"list": "verifier-names", "autocomplete": "off"}),
+                               help_text="a built-in (list), an installed entry point, or your own by dotted path "
+                                         "(mypkg.checks:my_verifier)")
     verifier_options = JSONDictField(required=False)
     verify_mode = forms.ChoiceField(choices=CollectionJob.VerifyMode.choices, initial="inline")
+    verify_cache = forms.ChoiceField(choices=[("job", "per job"), ("global", "across jobs"), ("off", "off")],
+                                     initial="job", required=False)
     chunk_size = forms.IntegerField(min_value=1, initial=5000, help_text="dataset rows per chunk (unit of distribution)")
     profiling_enabled = forms.BooleanField(required=False)
     idempotency_key = forms.CharField(required=False, max_length=200)
@@ -82,14 +87,9 @@ class LaunchJobForm(forms.Form):
         super().__init__(*args, **kwargs)
         if endpoints is not None:
             self.fields["endpoint"].queryset = endpoints
-        try:
-            from workers.verifiers import VERIFIERS
+        from workers.verifiers import known_names
 
-            names = sorted(VERIFIERS)
-        except Exception:  # noqa: BLE001
-            names = ["math", "exact", "normalized", "none"]
-        self.fields["verifier"].choices = [(n, n) for n in names]
-        self.fields["verifier"].initial = "math" if "math" in names else names[0]
+        self.verifier_names = known_names()
 
     def job_kwargs(self) -> dict:
         d = self.cleaned_data
@@ -108,6 +108,7 @@ class LaunchJobForm(forms.Form):
             "verifier": d["verifier"],
             "verifier_options": d.get("verifier_options") or {},
             "verify_mode": d["verify_mode"],
+            "verify_cache": d.get("verify_cache") or "job",
             "chunk_size": d["chunk_size"],
             "profiling_enabled": d.get("profiling_enabled", False),
             "idempotency_key": d.get("idempotency_key") or None,

@@ -20,11 +20,18 @@ class Panel:
                         # every PANEL_REFRESH_S while the job runs and when its state changes
 
 
+def _verification(job):
+    from controlplane.jobs.verification import panel_context
+
+    return panel_context(job)
+
+
 JOB_PANELS: list[Panel] = [
     Panel("progress", "dashboard/panels/progress.html", live=True),
     Panel("actions", "dashboard/panels/actions.html", live=True),
     Panel("charts", "dashboard/panels/charts.html", live=True),
     Panel("metrics", "dashboard/panels/metrics.html"),
+    Panel("verification", "dashboard/panels/verification.html", context=lambda request, job: _verification(job)),
     Panel("timing", "dashboard/panels/timing.html"),
     Panel("errors", "dashboard/panels/errors.html"),
     Panel("parameters", "dashboard/panels/parameters.html"),

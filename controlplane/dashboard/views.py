@@ -114,7 +114,8 @@ def job_state(request, job_id):
     return JsonResponse(out)
 
 
-JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed"}
+JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed",
+               "verify": None}  # verify: controlplane.jobs.verification
 
 
 @login_required
@@ -123,13 +124,15 @@ def job_action(request, job_id, action):
     job = _get_job(request, job_id)
     if action not in JOB_ACTIONS:
         raise Http404("unknown action")
-    from controlplane.jobs import services
+    from controlplane.jobs import services, verification
 
-    fn = getattr(services, JOB_ACTIONS[action])
+    fn = verification.start_verification if action == "verify" else getattr(services, JOB_ACTIONS[action])
     try:
         fn(job)
     except InvalidTransition as e:
         messages.error(request, str(e))
+    except ValidationError as e:
+        messages.error(request, "; ".join(e.messages))
     except NotImplementedError:
         messages.error(request, f"{action} is not available yet")
     else:

@@ -48,9 +48,12 @@ class CollectionJob(models.Model):
     )
     parallelism_auto = models.BooleanField(default=False, help_text="Let the adaptive controller choose parallelism")
     responses_create_params = models.JSONField(default=dict, blank=True, help_text="Overrides merged into every row")
-    verifier = models.CharField(max_length=50, default="math")
+    verifier = models.CharField(max_length=300, default="math", help_text="A registered name, an entry point or a dotted path")
     verifier_options = models.JSONField(default=dict, blank=True)
     verify_mode = models.CharField(max_length=20, choices=VerifyMode.choices, default=VerifyMode.INLINE)
+    verify_cache = models.CharField(max_length=10, default="job", choices=[("off", "off"), ("job", "job"), ("global", "global")],
+                                    help_text="Compute identical (verifier, options, answer, expected) once: per job, "
+                                              "across jobs on a worker, or never")
     chunk_size = models.PositiveIntegerField(default=5000, help_text="Dataset rows per chunk (unit of distribution)")
     profiling_enabled = models.BooleanField(default=False)
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
@@ -268,3 +271,41 @@ class JobMetricSample(models.Model):
     class Meta:
         ordering = ["job", "t"]
         indexes = [models.Index(fields=["job", "t"], name="metric_job_t")]
+
+
+class VerificationRun(models.Model):
+    """A batch verification of a job's stored rollouts (deferred or fast mode, or a re-verification):
+    leased with a heartbeat like a chunk, resumable from `cursor` (the last rollout id whose new reward is
+    committed), so a killed worker's run is picked up by another and no rollout is verified twice."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    job = models.ForeignKey(CollectionJob, on_delete=models.CASCADE, related_name="verification_runs")
+    verifier = models.CharField(max_length=300)
+    verifier_options = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING, db_index=True)
+    cursor = models.BigIntegerField(default=0)
+    total = models.PositiveIntegerField(default=0)
+    verified = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    cache_hits = models.PositiveIntegerField(default=0)
+    cache_lookups = models.PositiveIntegerField(default=0)
+    attempts = models.PositiveIntegerField(default=0)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    info = models.JSONField(default=dict, blank=True)  # sandbox in use, rollouts/s, pool size
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    @property
+    def is_active(self):
+        return self.state in (self.State.PENDING, self.State.RUNNING)

@@ -82,6 +82,8 @@ def build_spec(job, worker_name="") -> CollectionSpec:
         verifier_options=dict(job.verifier_options or {}),
         verify_mode=job.verify_mode,
         worker_name=worker_name,
+        verify_cache=job.verify_cache, verify_processes=settings.VERIFY_POOL_PROCESSES,
+        verify_concurrency=settings.VERIFY_CONCURRENCY,
     )
 
 

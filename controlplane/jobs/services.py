@@ -23,10 +23,10 @@ from controlplane import limits
 from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
-from workers.verifiers import get_verifier
 
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout
+from .verifier_checks import check_dataset_fields, check_verifier
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,12 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
             errors[name] = f"{name} must be an integer >= 1, not {value!r}"
     if verify_mode not in CollectionJob.VerifyMode.values:
         errors["verify_mode"] = f"verify_mode must be one of {', '.join(CollectionJob.VerifyMode.values)}"
-    try:
-        get_verifier(verifier)
-    except ValueError as exc:
-        errors["verifier"] = str(exc)
+    if not errors.get("dataset") and isinstance(verifier_options, dict):  # verifier, options, rows' fields
+        try:
+            v, opts = check_verifier(verifier, verifier_options)
+            check_dataset_fields(dataset, v, opts, n_rows=limit if isinstance(limit, int) else None)
+        except ValidationError as exc:
+            errors.update(exc.message_dict)
     if not isinstance(responses_create_params, dict):
         errors["responses_create_params"] = "must be an object"
     if not isinstance(verifier_options, dict):
@@ -105,9 +107,11 @@ def create_job(*, owner, idempotency_key=None, **params):
 def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
                 parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
                 verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
-                output_path="", launch=True):
+                output_path="", launch=True, verify_cache="job"):
     responses_create_params = {} if responses_create_params is None else responses_create_params
     verifier_options = {} if verifier_options is None else verifier_options
+    if verify_cache not in ("off", "job", "global"):
+        raise ValidationError({"verify_cache": f"verify_cache must be off, job or global, not {verify_cache!r}"})
     _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
               chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
               responses_create_params=responses_create_params, verifier_options=verifier_options)
@@ -122,7 +126,7 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
             responses_create_params=responses_create_params, verifier=verifier,
             verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
             idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
-            output_path=output_path, total_rollouts=n_rows * num_repeats,
+            output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
         )
         JobChunk.objects.bulk_create(
             [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from . import runtime, services
+from . import runtime, services, verification
 from .models import CollectionJob
 
 
@@ -23,7 +23,9 @@ def run_chunk_task(chunk_id: int) -> str:
 @shared_task(ignore_result=True)
 def watchdog() -> dict:
     """Reclaim chunks of dead workers, re-send lost chunks, flag stalled jobs, finalize stragglers."""
-    return runtime.watchdog()
+    report = runtime.watchdog()
+    report["verification_reclaimed"] = verification.reclaim_stale()
+    return report
 
 
 @shared_task(acks_late=True, ignore_result=True)
@@ -32,3 +34,9 @@ def finalize_job_task(job_id: int) -> str:
     if job is None:
         return "missing"
     return services.finalize_job(job).state
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def verify_job_task(run_id: int) -> str:
+    """Verify a job's stored rollouts (resumable; a duplicate message finds the run leased or done)."""
+    return verification.run_verification(run_id, runtime.default_worker_name("celery-verify"))

@@ -93,6 +93,10 @@ class Evidence:
     verify_mode: str | None = None
     verifier: str | None = None
     output_tokens_mean: float | None = None
+    # verification (the engine's ticks: workers.verifiers.execution stats)
+    verify_pool_utilization: float | None = None  # busy pool processes / pool size (CPU verifiers)
+    verify_queue_mean: float | None = None  # verifications waiting for the pool or a slot
+    verify_cache_hit_rate: float | None = None
     # parallelism sweep
     sweep: dict | None = None
     # server capacity (what the server can run at once, summed over its replicas) and its stated settings
@@ -255,6 +259,7 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
         ev.model_share = min(1.0, model / ev.wall_ms)
         ev.verify_share = min(1.0, (ev.verify_ms or 0.0) / ev.wall_ms)
         ev.overhead_share = max(0.0, 1.0 - ev.model_share - ev.verify_share)
+    _verification_evidence(ev, ticks)
     ttfts = [((tm.get("ttft_ms") or {}).get("mean"), tm.get("n") or 0) for tm in timings if tm.get("n")]
     if len(ttfts) >= 6:
         head = _wmean(ttfts[:2])
@@ -315,6 +320,22 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     ev.sweep = sweep
     _capacity(ev, vl_all, vl, ticks, config)
     return ev
+
+
+def _verification_evidence(ev: Evidence, ticks: list[dict]) -> None:
+    extras = [t.get("extra") or {} for t in ticks]
+    pool = [min(1.0, x["verify_pool_inflight"] / x["verify_pool_size"]) for x in extras
+            if x.get("verify_pool_size") and x.get("verify_pool_inflight") is not None]
+    ev.verify_pool_utilization = _mean(pool)
+    ev.verify_queue_mean = _mean([(x.get("verify_queue") or 0) + (x.get("verify_pool_pending") or 0)
+                                  for x in extras if "verify_queue" in x])
+    last: dict = {}
+    for t in ticks:  # cumulative per run: the last tick of each series
+        x = t.get("extra") or {}
+        if "verify_cache_lookups" in x:
+            last[t.get("worker") or ""] = (x.get("verify_cache_hits") or 0, x["verify_cache_lookups"] or 0)
+    lookups = sum(n for _, n in last.values())
+    ev.verify_cache_hit_rate = (sum(h for h, _ in last.values()) / lookups) if lookups else None
 
 
 def _capacity(ev: Evidence, vl_all: list[dict], vl: list[dict], ticks: list[dict], config: dict) -> None:

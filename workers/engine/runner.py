@@ -45,8 +45,9 @@ from typing import AsyncIterable, Iterable
 
 import aiohttp
 
-from workers.verifiers import get_verifier, verify_row
+from workers.verifiers import get_verifier
 from workers.verifiers.base import Verifier
+from workers.verifiers.execution import VerifyExecutor
 
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
 from .materialize import merge_overrides
@@ -157,14 +158,18 @@ class _Run:
 
         # verification
         self.verifier: Verifier | None = None
+        self.vexec: VerifyExecutor | None = None  # kind routing + result cache (workers.verifiers.execution)
         self.verify_in_pool = False
         self.fast = spec.verify_mode == "fast"
         if spec.verify_mode != "deferred" and spec.verifier and spec.verifier != "none":
-            self.verifier = get_verifier(spec.verifier)  # ValueError for an unknown name
-            overrides_fast = type(self.verifier).fast_verify is not Verifier.fast_verify
-            self.verify_in_pool = self.verifier.cpu_bound and not (self.fast and overrides_fast)
+            self.verifier = get_verifier(spec.verifier)  # ValueError for an unknown name or bad options
+            self.vexec = VerifyExecutor(spec.verifier, spec.verifier_options, fast=self.fast, cache=spec.verify_cache,
+                                        concurrency=spec.verify_concurrency)
+            self.verify_in_pool = self.vexec.needs_pool
         self.batcher = (VerifyBatcher(self.loop, spec.verify_processes, pool=verify_pool or SHARED_VERIFY_POOL)
                         if self.verify_in_pool else None)
+        if self.vexec is not None and self.batcher is not None:
+            self.vexec.pooled = self.batcher.verify
 
         # workers and state
         self.workers: dict[asyncio.Task, str] = {}  # task -> "idle" | "busy" | "emit"
@@ -553,10 +558,7 @@ class _Run:
         text = response_text(response)
         t0 = time.monotonic()
         try:
-            if self.batcher is not None:
-                vr = await self.batcher.verify(spec.verifier, row, text, spec.verifier_options, self.fast)
-            else:
-                vr = verify_row(spec.verifier, row, text, spec.verifier_options, self.fast)
+            vr = await self.vexec.verify(row, text)
             reward = float(vr.reward)
             result.output_row["reward"] = reward
             result.output_row.update(vr.fields or {})
@@ -584,6 +586,11 @@ class _Run:
             extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(), "resident": self.resident.used,
                    "max_in_flight": self.max_in_flight_seen, "interval_s": dt},
         )
+        if self.vexec is not None:  # verification queue, busy slots, pool use and cache for the diagnosis
+            tick.extra.update(self.vexec.stats())
+            if self.batcher is not None:
+                tick.extra.update(verify_pool_inflight=self.batcher.inflight, verify_pool_pending=len(self.batcher.pending),
+                                  verify_pool_size=self.spec.verify_processes or os.cpu_count() or 1)
         if len(self.base_urls) > 1:
             tick.extra["replica_errors"] = dict(self.tick_replica_errors)
             self.tick_replica_errors = Counter()
@@ -664,6 +671,8 @@ class _Run:
                 await self.sink.progress(self._tick())
             except Exception:
                 log.exception("sink.progress failed")
+            if self.vexec is not None:
+                await self.vexec.aclose()
             for ex in (self.iter_executor, self.control_executor):
                 if ex is not None:
                     ex.shutdown(wait=False, cancel_futures=True)

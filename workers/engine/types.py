@@ -55,6 +55,8 @@ class CollectionSpec:
     max_resident: int | None = None  # tasks held in memory at once; default 2 * parallelism
     progress_interval_s: float = 1.0
     verify_processes: int | None = None  # process pool size for CPU-bound verifiers (default: cores)
+    verify_concurrency: int = 32  # io / remote verifiers (sandboxed code, LLM judge): calls at once
+    verify_cache: str = "job"  # "off" | "job" (one cache per run) | "global" (shared by the worker's runs)
     worker_name: str = ""
     pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
 

@@ -1,8 +1,13 @@
 """Pluggable verifiers. A verifier scores one response against its task row.
 
 Contract: `verify_row(name, row, response_text, options, fast=False) -> VerifyResult` is a module-level
-function (picklable), so the engine can run CPU-bound verifiers in a process pool.
+function (picklable), so the engine can run CPU-bound verifiers in a process pool. Users bring their own
+verifier by dotted path or entry point (registry.py).
 """
 from .base import VerifyResult, Verifier, get_verifier, register, verify_row, VERIFIERS  # noqa: F401
+from .registry import verifier, missing_fields, known_names  # noqa: F401
 from . import match as _match  # noqa: F401  (registers exact / normalized)
 from . import math as _math  # noqa: F401  (registers math)
+from . import mcqa as _mcqa  # noqa: F401  (registers mcqa)
+from . import codeexec as _codeexec  # noqa: F401  (registers code)
+from . import judge as _judge  # noqa: F401  (registers judge)

@@ -11,17 +11,92 @@ class VerifyResult:
 
 
 class Verifier:
-    """Subclass and register. `cpu_bound` verifiers run in the engine's process pool."""
+    """A verifier scores one response against its task row. Subclass it (built-in or your own) and either
+    `register` it or name it by dotted path / entry point (see workers.verifiers.registry).
+
+    * `name`: the registry name.
+    * `required_fields`: row fields the verifier reads; dotted for nested ones ("verifier_metadata.unit_tests").
+      Checked against every dataset row when a job is launched (and at upload when a verifier is named).
+    * `options`: {option: (type or tuple of types, default)}; `validate_options` checks a job's options
+      against it (unknown options and wrong types are refused) and fills the defaults.
+    * `kind`: "cpu" (runs in the engine's process pool), "io" (blocks on a subprocess or a file: runs in a
+      thread), "remote" (an async call to another service: `averify`, on the event loop with its own limit).
+    """
 
     name = ""
-    cpu_bound = False
+    kind = ""  # "cpu" | "io" | "remote"; "" = older verifiers: `cpu_bound = True` -> cpu, else run on the loop
+    required_fields: tuple[str, ...] = ("expected_answer",)
+    options: dict[str, tuple] | None = None  # None: not declared (older verifiers): options pass unchecked
+    description = ""
+
+    @property
+    def cpu_bound(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def effective_kind(self) -> str:
+        return self.kind or ("cpu" if self.cpu_bound else "loop")
 
     def verify(self, row: dict, response_text: str, options: dict) -> VerifyResult:
         raise NotImplementedError
 
+    async def averify(self, row: dict, response_text: str, options: dict) -> VerifyResult:
+        """Remote verifiers override this; the default runs `verify` (callers run sync kinds off the loop)."""
+        return self.verify(row, response_text, options)
+
     def fast_verify(self, row: dict, response_text: str, options: dict) -> VerifyResult:
         """A cheap heuristic for `fast` mode; verifiers without one use the exact check."""
         return self.verify(row, response_text, options)
+
+    @property
+    def has_fast(self) -> bool:
+        return type(self).fast_verify is not Verifier.fast_verify
+
+    def required(self, options: dict | None = None) -> tuple[str, ...]:
+        """Row fields needed with these options (an `answer_field` option renames `expected_answer`)."""
+        options = options or {}
+        answer_field = options.get("answer_field")
+        if answer_field and "answer_field" in (self.options or {}):
+            return tuple(answer_field if f == "expected_answer" else f for f in self.required_fields)
+        return tuple(self.required_fields)
+
+    def validate_options(self, options: dict | None) -> dict:
+        """The options with defaults filled in; ValueError naming every bad option."""
+        if options is not None and not isinstance(options, dict):
+            raise ValueError("verifier options must be an object")
+        options = dict(options or {})
+        if self.options is None:
+            return options
+        errors = []
+        for key in sorted(set(options) - set(self.options)):
+            errors.append(f"unknown option {key!r} (known: {', '.join(sorted(self.options)) or 'none'})")
+        out = {}
+        for key, (types, default) in self.options.items():
+            if key not in options:
+                out[key] = default
+                continue
+            value = options[key]
+            types_t = types if isinstance(types, tuple) else (types,)
+            if float in types_t and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if (not isinstance(value, types_t) or (isinstance(value, bool) and bool not in types_t)) and value is not None:
+                names = "/".join(t.__name__ for t in types_t)
+                errors.append(f"option {key!r} must be {names}, not {type(value).__name__} {value!r}")
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                errors.append(f"option {key!r} must be >= 0, not {value!r}")
+                continue
+            out[key] = value
+        if errors:
+            raise ValueError(f"verifier {self.name!r}: " + "; ".join(errors))
+        return out
+
+    def info(self) -> dict:
+        return {"name": self.name, "kind": self.effective_kind, "required_fields": list(self.required_fields),
+                "options": None if self.options is None else {
+                    k: {"type": "/".join(t.__name__ for t in (v[0] if isinstance(v[0], tuple) else (v[0],))),
+                        "default": v[1]} for k, v in self.options.items()},
+                "description": self.description or (type(self).__doc__ or "").strip().split("\n")[0]}
 
 
 VERIFIERS: dict[str, Verifier] = {}
@@ -33,10 +108,12 @@ def register(verifier_cls):
 
 
 def get_verifier(name: str) -> Verifier:
-    try:
-        return VERIFIERS[name]
-    except KeyError:
-        raise ValueError(f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))}") from None
+    verifier = VERIFIERS.get(name)
+    if verifier is not None:
+        return verifier
+    from .registry import resolve  # a dotted path or a package entry point
+
+    return resolve(name)
 
 
 def verify_row(name: str, row: dict, response_text: str, options: dict | None = None, fast: bool = False) -> VerifyResult:
@@ -50,6 +127,8 @@ class NoVerifier(Verifier):
     """Collect only: no reward (used by deferred verification's collection phase)."""
 
     name = "none"
+    required_fields = ()
+    options = {}
 
     def verify(self, row, response_text, options):
         return VerifyResult(reward=0.0, fields={})

@@ -25,6 +25,8 @@ def normalize(text: str) -> str:
 @register
 class ExactMatch(Verifier):
     name = "exact"
+    kind = "cpu"  # cheap, but sync: run where a CPU verifier runs
+    options = {"answer_field": (str, "expected_answer"), "extract": (bool, True)}
 
     def verify(self, row, response_text, options):
         expected = str(row.get(options.get("answer_field", "expected_answer"), ""))
@@ -35,6 +37,8 @@ class ExactMatch(Verifier):
 @register
 class NormalizedMatch(Verifier):
     name = "normalized"
+    kind = "cpu"
+    options = {"answer_field": (str, "expected_answer")}
 
     def verify(self, row, response_text, options):
         expected = str(row.get(options.get("answer_field", "expected_answer"), ""))

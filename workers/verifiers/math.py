@@ -16,7 +16,8 @@ def _in_main_thread():
 @register
 class MathVerifier(Verifier):
     name = "math"
-    cpu_bound = True
+    kind = "cpu"
+    options = {"answer_field": (str, "expected_answer")}
 
     def verify(self, row, response_text, options):
         from math_verify import parse, verify

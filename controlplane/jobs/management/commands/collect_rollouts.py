@@ -179,6 +179,15 @@ def _check(key: Key, value, verifiers) -> Any:
         return value
     if key.kind == "choice":
         choices = verifiers if n == "verifier" else key.choices
+        if n == "verifier" and isinstance(value, str) and value not in choices:  # an entry point or dotted path
+            from workers.verifiers import get_verifier
+
+            try:
+                get_verifier(value)
+                return value
+            except ValueError as exc:
+                raise ArgError(f"+verifier must be one of {', '.join(choices)}, an entry point or a dotted path "
+                               f"'module:object', got {json.dumps(value)} ({exc})") from None
         if value not in choices:
             raise ArgError(f"+{n} must be one of {', '.join(choices)}, got {json.dumps(value)}")
         return value

@@ -1,0 +1,166 @@
+"""Verification throughput, side by side (one run, one machine):
+
+1. pool vs loop: a CPU-heavy verifier (a busy loop of --burn-ms per row, then exact match) in a collection
+   run of the engine against the zero-latency simulator: run in the engine's process pool (kind cpu)
+   vs called on the event loop (the verifier not marked CPU-bound). Both named by dotted path, as a
+   user's own verifier would be. rollouts/s = successful rollouts / run time.
+2. cache on vs off: code execution in the sandbox (bubblewrap + rlimits) over stored rollouts of a
+   dataset with repeats (--tasks tasks x --repeats repeats; each rollout is one of 3 programs of its
+   task: right, wrong, crashing, as a policy that has mostly converged produces), verified the way the
+   batch verification job does (VerifyExecutor, --concurrency sandboxes at once), with the result cache
+   per job vs off. rollouts/s = rollouts / wall time; rewards must be equal.
+
+    .venv/bin/python -m bench.bench_verifiers                 # ~2 minutes on 2 shared cores
+    .venv/bin/python -m bench.bench_verifiers --rollouts 200 --tasks 20
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.fixtures_simulator import start_simulator  # noqa: E402
+from workers.diagnosis.scenarios import rows_math  # noqa: E402
+from workers.engine.runner import run_collection  # noqa: E402
+from workers.engine.verify_pool import shutdown_verify_pool  # noqa: E402
+from workers.engine.types import CollectionSpec, EndpointSpec, TaskItem  # noqa: E402
+from workers.verifiers import sandbox  # noqa: E402
+from workers.verifiers.execution import VerifyExecutor  # noqa: E402
+
+
+class CountSink:
+    def __init__(self):
+        self.ok = self.failed = 0
+        self.rewards = []
+
+    async def rollout(self, r):
+        if r.ok:
+            self.ok += 1
+            self.rewards.append(r.reward)
+        else:
+            self.failed += 1
+
+    async def progress(self, tick):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def collection(sim, verifier: str, n: int, parallelism: int, burn_ms: float, processes: int) -> dict:
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model), parallelism=parallelism,
+                          verifier=verifier, verifier_options={"burn_ms": burn_ms}, verify_processes=processes,
+                          responses_create_params={"max_output_tokens": 8}, verify_cache="off")
+    rows = rows_math(n)
+    sink = CountSink()
+    t0 = time.monotonic()
+    summary = await run_collection(spec, [TaskItem(i, 0, r) for i, r in enumerate(rows)], sink)
+    wall = time.monotonic() - t0
+    assert not summary.fatal_error, summary.fatal_error
+    return {"ok": sink.ok, "failed": sink.failed, "wall_s": wall, "rps": sink.ok / wall,
+            "mean_reward": sum(sink.rewards) / max(1, len(sink.rewards))}
+
+
+PROGRAMS = [
+    ("a, b = map(int, input().split())\nprint(a + b + {k} - {k})", 1.0),
+    ("a, b = map(int, input().split())\nprint(a - b + {k} - {k})", 0.0),
+    ("raise SystemExit('crash {k}')", 0.0),
+]
+
+
+def code_rollouts(tasks: int, repeats: int, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for t in range(tasks):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        row = {"verifier_metadata": {"unit_tests": {"inputs": [f"{a} {b}\n", f"{b} {a}\n"],
+                                                    "outputs": [f"{a + b}\n", f"{a + b}\n"]}}, "task": t}
+        for _ in range(repeats):
+            prog, want = PROGRAMS[rng.choices((0, 1, 2), weights=(6, 3, 1))[0]]
+            out.append((row, f"```python\n{prog.format(k=t)}\n```", want))
+    return out
+
+
+async def code_run(items, cache: str, concurrency: int) -> dict:
+    ex = VerifyExecutor("code", {"wall_s": 5, "cpu_s": 2}, cache=cache, concurrency=concurrency)
+    t0 = time.monotonic()
+    try:
+        results = await asyncio.gather(*(ex.verify(row, text) for row, text, _ in items))
+    finally:
+        await ex.aclose()
+    wall = time.monotonic() - t0
+    rewards = [r.reward for r in results]
+    assert rewards == [w for _, _, w in items], "a program was scored wrong"
+    return {"wall_s": wall, "rps": len(items) / wall, "hit_rate": ex.hits / ex.lookups if ex.lookups else 0.0,
+            "rewards": rewards}
+
+
+async def main_async(args) -> dict:
+    out = {}
+    sim = start_simulator(seed=0, ttft_ms=0, itl_ms=0, jitter=0, math_accuracy=0.8)
+    try:
+        pool_name = "workers.diagnosis.scenarios:BurnVerifier"
+        loop_name = "workers.diagnosis.scenarios:InlineBurnVerifier"
+        await collection(sim, pool_name, 64, args.parallelism, args.burn_ms, args.processes)  # warm both paths
+        await collection(sim, loop_name, 32, args.parallelism, args.burn_ms, args.processes)
+        pool = await collection(sim, pool_name, args.rollouts, args.parallelism, args.burn_ms, args.processes)
+        loop = await collection(sim, loop_name, args.rollouts, args.parallelism, args.burn_ms, args.processes)
+        out["cpu"] = {"pool": pool, "loop": loop}
+    finally:
+        sim.stop()
+        shutdown_verify_pool()
+    items = code_rollouts(args.tasks, args.repeats)
+    await code_run(items[:16], "off", args.concurrency)  # warm
+    off = await code_run(items, "off", args.concurrency)
+    on = await code_run(items, "job", args.concurrency)
+    assert off["rewards"] == on["rewards"]
+    out["code"] = {"off": off, "job": on, "n": len(items), "sandbox": sandbox.mode()[0]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", type=int, default=400, help="collection run length (CPU-heavy verifier)")
+    ap.add_argument("--burn-ms", type=float, default=20.0, help="CPU burned per row by the verifier")
+    ap.add_argument("--parallelism", type=int, default=32)
+    ap.add_argument("--processes", type=int, default=2, help="the engine's verification pool size")
+    ap.add_argument("--tasks", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=16, help="sandboxes at once")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    res = asyncio.run(main_async(args))
+    cpu, code = res["cpu"], res["code"]
+    print(f"\n1. CPU-heavy verifier ({args.burn_ms:g} ms CPU per row), collection of {args.rollouts} rollouts, "
+          f"parallelism {args.parallelism}, zero-latency simulator, {os.cpu_count()} cores")
+    print(f"{'':26} {'process pool (' + str(args.processes) + ')':>20} {'on the event loop':>20} {'pool / loop':>12}")
+    print(f"{'rollouts/s':26} {cpu['pool']['rps']:>20.1f} {cpu['loop']['rps']:>20.1f} "
+          f"{cpu['pool']['rps'] / cpu['loop']['rps']:>11.2f}x")
+    print(f"{'wall s':26} {cpu['pool']['wall_s']:>20.1f} {cpu['loop']['wall_s']:>20.1f}")
+    print(f"{'mean reward':26} {cpu['pool']['mean_reward']:>20.3f} {cpu['loop']['mean_reward']:>20.3f}")
+    print(f"\n2. Code execution ({code['sandbox']}), {code['n']} stored rollouts = {args.tasks} tasks x {args.repeats} "
+          f"repeats, 2 tests each, {args.concurrency} sandboxes at once")
+    print(f"{'':26} {'cache per job':>20} {'cache off':>20} {'on / off':>12}")
+    print(f"{'rollouts/s':26} {code['job']['rps']:>20.1f} {code['off']['rps']:>20.1f} "
+          f"{code['job']['rps'] / code['off']['rps']:>11.2f}x")
+    print(f"{'wall s':26} {code['job']['wall_s']:>20.1f} {code['off']['wall_s']:>20.1f}")
+    print(f"{'cache hit rate':26} {code['job']['hit_rate']:>20.0%} {'-':>20}")
+    print("rewards equal with and without the cache: yes")
+    if args.json:
+        for k in ("off", "job"):
+            code[k].pop("rewards")
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

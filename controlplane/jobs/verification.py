@@ -1,0 +1,299 @@
+"""Batch verification of a job's stored rollouts ("verify this job"): for deferred jobs (collected
+without verification), fast jobs (a cheap heuristic during collection; the exact verifier here), or to
+re-verify. Runs with its own, much higher parallelism than collection: a process pool of
+VERIFY_JOB_PROCESSES for CPU verifiers, VERIFY_JOB_CONCURRENCY threads / calls for io and remote ones.
+
+Resumable and exactly-once like a chunk: a VerificationRun is leased with a heartbeat; each batch of
+rollouts gets its new rewards and the run's cursor (the last rollout id done) in one transaction, guarded
+by the lease. A killed worker stops heartbeating; the watchdog hands the run out again and the new
+holder starts after the cursor. When the last batch is in, counts and aggregate metrics are recomputed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import threading
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from datetime import timedelta
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from workers.engine.convert import response_text
+from workers.verifiers.execution import VerifyExecutor, cache_key, verify_items
+
+from . import services
+from .events import publish_job_state
+from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
+from .verifier_checks import check_verifier
+
+logger = logging.getLogger(__name__)
+
+BATCH = 500
+_OUTPUT_KEYS = {"response", "reward", "_ng_task_index", "_ng_rollout_index"}
+
+
+# --- starting --------------------------------------------------------------------------------
+def start_verification(job, *, verifier=None, verifier_options=None, launch=True) -> VerificationRun:
+    """Verify a finished job's stored rollouts (the job's own verifier unless another is given). An
+    active run of the job is returned as is."""
+    existing = VerificationRun.objects.filter(job=job, state__in=[VerificationRun.State.PENDING,
+                                                                  VerificationRun.State.RUNNING]).first()
+    if existing is not None:
+        return existing
+    if job.state != JobState.COMPLETED:
+        raise InvalidTransition(f"cannot verify a job that is {job.state}: verification runs over a completed job")
+    name = verifier or job.verifier
+    if not name or name == "none":
+        raise ValidationError({"verifier": "the job has no verifier: name one to verify with"})
+    _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {})
+    with transaction.atomic():
+        run = VerificationRun.objects.create(
+            job=job, verifier=name, verifier_options=options,
+            total=Rollout.objects.filter(job=job, status=Rollout.Status.OK).count()
+            + Rollout.objects.filter(job=job, failure_class="verifier_error").count())
+        if launch:
+            dispatch(run)
+    return run
+
+
+VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
+
+
+def dispatch(run):
+    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk))
+
+
+# --- lease ----------------------------------------------------------------------------------
+def _stale_before(now=None):
+    return (now or timezone.now()) - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
+
+
+def acquire(run_id, lease) -> bool:
+    now = timezone.now()
+    return bool(VerificationRun.objects.filter(pk=run_id).filter(
+        Q(state=VerificationRun.State.PENDING)
+        | Q(state=VerificationRun.State.RUNNING, heartbeat_at__lt=_stale_before(now))
+        | Q(state=VerificationRun.State.RUNNING, heartbeat_at__isnull=True)
+    ).update(state=VerificationRun.State.RUNNING, lease_owner=lease, heartbeat_at=now,
+             started_at=now, attempts=F("attempts") + 1))
+
+
+def reclaim_stale(dispatch_again=True) -> list[int]:
+    """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again."""
+    out = []
+    for run in VerificationRun.objects.filter(state=VerificationRun.State.RUNNING).filter(
+            Q(heartbeat_at__lt=_stale_before()) | Q(heartbeat_at__isnull=True)):
+        if VerificationRun.objects.filter(pk=run.pk, lease_owner=run.lease_owner, state=VerificationRun.State.RUNNING,
+                                          heartbeat_at=run.heartbeat_at).update(state=VerificationRun.State.PENDING,
+                                                                                lease_owner=""):
+            logger.warning("verification run %s of job %s: lease of %s expired; handing it out again",
+                           run.pk, run.job_id, run.lease_owner)
+            out.append(run.pk)
+            if dispatch_again:
+                with transaction.atomic():
+                    dispatch(run)
+    return out
+
+
+# --- running --------------------------------------------------------------------------------
+class _Heartbeat(threading.Thread):
+    """Keeps the lease fresh while a batch is being verified (a batch can take longer than the lease
+    timeout on a busy machine; without this the watchdog would hand a live run out again)."""
+
+    def __init__(self, run_id, lease):
+        super().__init__(name=f"verify-heartbeat-{run_id}", daemon=True)
+        self.run_id, self.lease = run_id, lease
+        self.stop = threading.Event()
+        self.interval = max(0.5, min(5.0, settings.JOBS_LEASE_TIMEOUT_S / 4))
+
+    def run(self):
+        from django.db import connection
+
+        try:
+            while not self.stop.wait(self.interval):
+                try:
+                    VerificationRun.objects.filter(pk=self.run_id, lease_owner=self.lease,
+                                                   state=VerificationRun.State.RUNNING).update(heartbeat_at=timezone.now())
+                except Exception:  # noqa: BLE001  (a missed beat is retried; the lease timeout is the judge)
+                    logger.exception("verification heartbeat failed")
+        finally:
+            connection.close()
+
+
+def _pool(size):
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    return ProcessPoolExecutor(max_workers=size, mp_context=ctx)
+
+
+def _input_row(data: dict, verifier_fields: set) -> dict:
+    return {k: v for k, v in data.items() if k not in _OUTPUT_KEYS and k not in verifier_fields}
+
+
+async def _verify_batch(ex: VerifyExecutor, pool, items):
+    """[(True, VerifyResult) | (False, type, msg)] for [(row, text)]."""
+    if ex.kind == "cpu" and pool is not None:
+        loop = asyncio.get_running_loop()
+        per = max(1, len(items) // (pool._max_workers * 4))
+        # cache first (identical work once), then the rest to the pool in slices
+        keys, todo, results = {}, [], [None] * len(items)
+        for i, (row, text) in enumerate(items):
+            if ex.cache_mode != "off":
+                k = cache_key(ex.name, ex.options, ex.fast, text, row, ex.fields)
+                ex.lookups += 1
+                if k in keys:
+                    ex.hits += 1
+                    keys[k].append(i)
+                    continue
+                keys[k] = [i]
+            todo.append(i)
+        slices = [todo[j:j + per] for j in range(0, len(todo), per)]
+        futs = [loop.run_in_executor(pool, verify_items, [(ex.name, items[i][0], items[i][1], ex.options, ex.fast)
+                                                          for i in sl]) for sl in slices]
+        for sl, out in zip(slices, await asyncio.gather(*futs)):
+            for i, res in zip(sl, out):
+                results[i] = res
+        if ex.cache_mode != "off":
+            for idxs in keys.values():
+                for i in idxs[1:]:
+                    results[i] = results[idxs[0]]
+        return results
+
+    async def one(row, text):
+        try:
+            return (True, await ex.verify(row, text))
+        except Exception as exc:  # noqa: BLE001
+            return (False, type(exc).__name__, str(exc))
+    return await asyncio.gather(*(one(r, t) for r, t in items))
+
+
+def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batches=None) -> str:
+    """Run (or resume) one verification run to its end. Returns "done", "busy", "skipped", "lost_lease"
+    or "failed". `stop_after_batches` stops early (for tests of resumption)."""
+    run = VerificationRun.objects.select_related("job").filter(pk=run_id).first()
+    if run is None or run.state in (VerificationRun.State.DONE, VerificationRun.State.FAILED):
+        return "skipped"
+    lease = f"{worker_name or 'verify'}#{uuid.uuid4().hex[:8]}"
+    if not acquire(run_id, lease):
+        return "busy"
+    run.refresh_from_db()
+    job = run.job
+    try:
+        ex = VerifyExecutor(run.verifier, run.verifier_options, cache=job.verify_cache or "job",
+                            concurrency=settings.VERIFY_JOB_CONCURRENCY)
+        verifier_fields = set()
+        pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None
+        if ex.name == "code":
+            from workers.verifiers import sandbox
+            mode, why = sandbox.mode()
+            run.info["sandbox"] = mode if mode == "bubblewrap" else f"rlimits only ({why})"
+        run.info.update(kind=ex.kind, processes=settings.VERIFY_JOB_PROCESSES if pool else None,
+                        concurrency=ex.concurrency if ex.kind in ("io", "remote") else None)
+        VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(info=run.info)
+        loop = asyncio.new_event_loop()
+        heartbeat = _Heartbeat(run.pk, lease)
+        heartbeat.start()
+        batches = 0
+        t0, done0 = time.monotonic(), run.verified
+        try:
+            while True:
+                qs = (Rollout.objects.filter(job=job, id__gt=run.cursor)
+                      .filter(Q(status=Rollout.Status.OK) | Q(failure_class="verifier_error"))
+                      .order_by("id"))
+                rollouts = list(qs[:batch_size])
+                if not rollouts:
+                    break
+                items = [(_input_row(r.data, verifier_fields), response_text(r.data.get("response") or {}))
+                         for r in rollouts]
+                hits0, lookups0 = ex.hits, ex.lookups
+                results = loop.run_until_complete(_verify_batch(ex, pool, items))
+                errors = 0
+                for r, res in zip(rollouts, results):
+                    data = dict(r.data)
+                    if res[0]:
+                        vr = res[1]
+                        data["reward"] = float(vr.reward)
+                        data.update(vr.fields or {})
+                        verifier_fields.update(vr.fields or {})
+                        r.reward, r.status, r.failure_class, r.error = float(vr.reward), Rollout.Status.OK, "", ""
+                    else:
+                        errors += 1
+                        data["reward"] = 0.0
+                        r.reward, r.status, r.failure_class = 0.0, Rollout.Status.FAILED, "verifier_error"
+                        r.error = f"verifier {run.verifier!r} raised {res[1]}: {res[2]}"[:2000]
+                    r.data = data
+                with transaction.atomic():
+                    if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+                            cursor=rollouts[-1].id, verified=F("verified") + len(rollouts), errors=F("errors") + errors,
+                            cache_hits=F("cache_hits") + ex.hits - hits0,
+                            cache_lookups=F("cache_lookups") + ex.lookups - lookups0, heartbeat_at=timezone.now()):
+                        return "lost_lease"  # another worker took over: this batch is rolled back
+                    Rollout.objects.bulk_update(rollouts, ["reward", "status", "failure_class", "error", "data"],
+                                                batch_size=500)
+                run.cursor = rollouts[-1].id
+                run.verified += len(rollouts)
+                batches += 1
+                elapsed = time.monotonic() - t0
+                run.info["rollouts_per_s"] = round((run.verified - done0) / elapsed, 1) if elapsed > 0 else None
+                VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(info=run.info)
+                if stop_after_batches is not None and batches >= stop_after_batches:
+                    return "stopped"
+        finally:
+            heartbeat.stop.set()
+            loop.run_until_complete(ex.aclose())
+            loop.close()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        services.refresh_counts(job)
+        aggregate_metrics, timing_summary = services.compute_summaries(job)
+        CollectionJob.objects.filter(pk=job.pk).update(aggregate_metrics=aggregate_metrics)
+        if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+                state=VerificationRun.State.DONE, finished_at=timezone.now(), heartbeat_at=timezone.now()):
+            return "lost_lease"
+        job.refresh_from_db()
+        publish_job_state(job)
+        logger.info("job %s verified: %d rollouts (%d verifier errors) by %s", job.pk, run.verified, run.errors,
+                    run.verifier)
+        return "done"
+    except Exception as exc:
+        logger.exception("verification run %s failed", run_id)
+        VerificationRun.objects.filter(pk=run_id, lease_owner=lease).update(
+            state=VerificationRun.State.FAILED, error_message=f"{type(exc).__name__}: {exc}"[:5000],
+            finished_at=timezone.now())
+        return "failed"
+
+
+def summary(job) -> dict | None:
+    """The job page's / API's view of its latest verification run."""
+    run = VerificationRun.objects.filter(job=job).order_by("-created_at").first()
+    if run is None:
+        return None
+    return {"id": run.pk, "state": run.state, "verifier": run.verifier, "verified": run.verified, "total": run.total,
+            "errors": run.errors, "cache_hit_rate": (run.cache_hits / run.cache_lookups) if run.cache_lookups else None,
+            "attempts": run.attempts, "info": run.info, "error": run.error_message,
+            "started_at": run.started_at, "finished_at": run.finished_at}
+
+
+def collection_cache(job) -> dict:
+    """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
+    hits = lookups = 0
+    for worker in JobMetricSample.objects.filter(job=job).values_list("worker", flat=True).distinct():
+        last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()
+        hits += int((last or {}).get("verify_cache_hits") or 0)
+        lookups += int((last or {}).get("verify_cache_lookups") or 0)
+    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None}
+
+
+def panel_context(job) -> dict:
+    run = summary(job)
+    return {"run": run, "collection_cache": collection_cache(job),
+            "can_verify": job.state == JobState.COMPLETED and job.verifier not in ("", "none")
+            and not (run and run["state"] in ("pending", "running")),
+            "needs_verify": job.verify_mode in ("deferred", "fast") and not (run and run["state"] == "done")}

@@ -1,0 +1,26 @@
+"""A user's own verifiers, named by dotted path in tests (as a user would name theirs)."""
+from workers.verifiers import Verifier, VerifyResult, verifier
+
+
+@verifier(required_fields=("expected_answer",), options={"suffix": (str, "")}, kind="cpu")
+def last_word(row, response_text, options):
+    """Reward 1 when the response's last word (minus `suffix`) equals expected_answer."""
+    words = (response_text or "").split()
+    got = words[-1].removesuffix(options["suffix"]) if words else ""
+    return (1.0 if got == str(row["expected_answer"]) else 0.0), {"last_word": got}
+
+
+class Length(Verifier):
+    """Reward: 1 when the response has at least `min_words` words."""
+
+    kind = "cpu"
+    required_fields = ()
+    options = {"min_words": (int, 3)}
+
+    def verify(self, row, response_text, options):
+        n = len((response_text or "").split())
+        return VerifyResult(reward=1.0 if n >= options.get("min_words", 3) else 0.0, fields={"words": n})
+
+
+def not_marked(row, response_text, options):
+    return 1.0

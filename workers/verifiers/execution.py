@@ -1,0 +1,167 @@
+"""How the engine (and the batch verification job) runs a verifier: by its kind, with a result cache.
+
+* cpu     -> the engine's process pool (`pooled`, the engine's batcher), off the event loop
+* io      -> a thread pool of `concurrency` threads (subprocesses, files: the code-execution sandbox)
+* remote  -> `averify` on the event loop, at most `concurrency` calls in flight (the judge adds its own)
+* loop    -> older verifiers that declare no kind and are not cpu_bound: called on the event loop
+
+Cache: identical (verifier, options, fast, response text, the row fields the verifier declares) are
+computed once. `cache="job"` keeps one cache per executor (one chunk run: all repeats of a task are in
+the same chunk); `cache="global"` shares one bounded cache between every run of the worker process
+(across jobs); `cache="off"` disables it. Concurrent identical requests wait for the first.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from .base import VerifyResult, get_verifier
+
+CACHE_MODES = ("off", "job", "global")
+_GLOBAL_MAX = 200_000
+_global: OrderedDict = OrderedDict()
+_global_lock = threading.Lock()
+
+
+def _field(row: dict, path: str):
+    obj = row
+    for part in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def cache_key(name: str, options: dict, fast: bool, text: str, row: dict, fields) -> str:
+    expected = {f: _field(row, f) for f in fields}
+    if not fields:  # a verifier that declares no field: the whole input row counts
+        expected = {k: v for k, v in row.items() if not k.startswith("_ng_")}
+    blob = json.dumps([name, options, fast, text, expected], sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+class VerifyExecutor:
+    def __init__(self, name: str, options: dict | None, *, fast: bool = False, cache: str = "job",
+                 concurrency: int = 32, pooled: Callable | None = None):
+        self.verifier = get_verifier(name)  # ValueError for an unknown name
+        self.name = name
+        self.options = self.verifier.validate_options(options or {})
+        self.fast = fast
+        self.kind = self.verifier.effective_kind
+        if fast and self.verifier.has_fast and self.kind == "cpu":
+            self.kind = "loop"  # a cheap heuristic: not worth the process hop
+        if cache not in CACHE_MODES:
+            raise ValueError(f"verify cache must be one of {', '.join(CACHE_MODES)}, not {cache!r}")
+        self.cache_mode = cache
+        self.fields = tuple(self.verifier.required(self.options))
+        if self.kind == "remote":
+            self.fields = self.fields + ("question", "responses_create_params.input")
+        self.pooled = pooled
+        self.concurrency = max(1, int(concurrency))
+        if isinstance(self.options.get("concurrency"), int) and self.options["concurrency"] >= 1:
+            self.concurrency = self.options["concurrency"]  # the verifier's own limit (a judge's endpoint)
+        self.threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="verify-io") if self.kind == "io" else None
+        self.sem = asyncio.Semaphore(self.concurrency) if self.kind in ("io", "remote") else None
+        self.cache: dict[str, asyncio.Future] = {}
+        self.hits = self.lookups = 0
+        self.waiting = self.running = 0  # for the diagnosis: the verification queue and busy slots
+
+    @property
+    def needs_pool(self) -> bool:
+        return self.kind == "cpu"
+
+    def stats(self) -> dict:
+        return {"verify_kind": self.kind, "verify_queue": self.waiting, "verify_busy": self.running,
+                "verify_slots": self.concurrency if self.kind in ("io", "remote") else None,
+                "verify_cache_hits": self.hits, "verify_cache_lookups": self.lookups}
+
+    async def verify(self, row: dict, text: str) -> VerifyResult:
+        if self.cache_mode == "off":
+            return await self._compute(row, text)
+        key = cache_key(self.name, self.options, self.fast, text, row, self.fields)
+        self.lookups += 1
+        if self.cache_mode == "global":
+            with _global_lock:
+                hit = _global.get(key)
+                if hit is not None:
+                    _global.move_to_end(key)
+            if hit is not None:
+                self.hits += 1
+                return hit
+        fut = self.cache.get(key)
+        if fut is not None:
+            self.hits += 1
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self.cache[key] = fut
+        try:
+            result = await self._compute(row, text)
+        except BaseException as exc:
+            self.cache.pop(key, None)  # errors (a judge timeout) are not remembered
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved
+            raise
+        fut.set_result(result)
+        if self.cache_mode == "global":
+            with _global_lock:
+                _global[key] = result
+                while len(_global) > _GLOBAL_MAX:
+                    _global.popitem(last=False)
+        return result
+
+    async def _compute(self, row: dict, text: str) -> VerifyResult:
+        v, opts = self.verifier, self.options
+        if self.kind == "cpu" and self.pooled is not None:
+            self.waiting += 1
+            try:
+                return await self.pooled(self.name, row, text, opts, self.fast)
+            finally:
+                self.waiting -= 1
+        if self.kind in ("loop", "cpu"):
+            return v.fast_verify(row, text, opts) if self.fast else v.verify(row, text, opts)
+        self.waiting += 1
+        try:
+            await self.sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            if self.kind == "io":
+                fn = v.fast_verify if self.fast else v.verify
+                return await asyncio.get_running_loop().run_in_executor(self.threads, fn, row, text, opts)
+            if self.fast and v.has_fast:
+                return v.fast_verify(row, text, opts)
+            return await v.averify(row, text, opts)
+        finally:
+            self.running -= 1
+            self.sem.release()
+
+    async def aclose(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.verifier, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def verify_items(items: list[tuple]) -> list[tuple]:
+    """In a pool process: verify several (name, row, text, options, fast) items. One entry per item, in
+    order: (True, VerifyResult) or (False, exception type name, message)."""
+    from .base import verify_row
+
+    out: list[tuple] = []
+    for name, row, text, options, fast in items:
+        try:
+            out.append((True, verify_row(name, row, text, options, fast)))
+        except Exception as exc:  # noqa: BLE001  (reported per rollout as a verifier error)
+            out.append((False, type(exc).__name__, str(exc)))
+    return out

@@ -1,0 +1,187 @@
+"""Users' own verifiers: by dotted path or through a package entry point, same contract as the built-ins.
+
+A job's `verifier` is a registered name ("math", "mcqa", "code", "judge", ...), a dotted path
+("mypkg.checks:ends_with_period" or "mypkg.checks.EndsWithPeriod"), or the name of an entry point in
+the `rollout_controlplane.verifiers` group of an installed package. The object must be a Verifier
+subclass, or a function marked with the `verifier` decorator:
+
+    from workers.verifiers import verifier
+
+    @verifier(required_fields=("expected_answer",), options={"suffix": (str, ".")}, kind="cpu")
+    def ends_with(row, response_text, options):
+        return 1.0 if response_text.strip().endswith(options["suffix"]) else 0.0   # or a VerifyResult
+
+Only marked objects are accepted, so a dotted path cannot call an arbitrary function of the environment.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterable
+
+from .base import VERIFIERS, Verifier, VerifyResult
+
+ENTRY_POINT_GROUP = "rollout_controlplane.verifiers"
+_lock = threading.Lock()
+_MISSING = object()
+
+
+class FunctionVerifier(Verifier):
+    """Wraps a function `(row, response_text, options) -> float | VerifyResult | (reward, fields)`."""
+
+    def __init__(self, fn: Callable, name: str, *, required_fields=(), options=None, kind="cpu", fast=None,
+                 description=""):
+        self.fn = fn
+        self.fast_fn = fast
+        self.name = name
+        self.required_fields = tuple(required_fields)
+        self.options = dict(options or {})
+        self.kind = kind
+        self.description = description or (fn.__doc__ or "").strip().split("\n")[0]
+
+    @staticmethod
+    def _result(value) -> VerifyResult:
+        if isinstance(value, VerifyResult):
+            return value
+        if isinstance(value, tuple) and len(value) == 2:
+            return VerifyResult(reward=float(value[0]), fields=dict(value[1]))
+        if isinstance(value, bool) or isinstance(value, (int, float)):
+            return VerifyResult(reward=float(value))
+        raise TypeError(f"verifier {getattr(value, '__name__', '')} returned {type(value).__name__}; "
+                        "expected a number, a VerifyResult or (reward, fields)")
+
+    def verify(self, row, response_text, options):
+        return self._result(self.fn(row, response_text, options))
+
+    async def averify(self, row, response_text, options):
+        value = self.fn(row, response_text, options)
+        if inspect.isawaitable(value):
+            value = await value
+        return self._result(value)
+
+    def fast_verify(self, row, response_text, options):
+        if self.fast_fn is None:
+            return self.verify(row, response_text, options)
+        return self._result(self.fast_fn(row, response_text, options))
+
+    @property
+    def has_fast(self) -> bool:
+        return self.fast_fn is not None
+
+
+def verifier(fn: Callable | None = None, *, required_fields: Iterable[str] = ("expected_answer",),
+             options: dict | None = None, kind: str = "cpu", fast: Callable | None = None):
+    """Mark a function as a verifier usable by dotted path or entry point."""
+    if kind not in ("cpu", "io", "remote"):
+        raise ValueError(f"kind must be cpu, io or remote, not {kind!r}")
+
+    def mark(f):
+        f.__verifier__ = {"required_fields": tuple(required_fields), "options": dict(options or {}), "kind": kind,
+                          "fast": fast}
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def _import(path: str) -> Any:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"unknown verifier {path!r}: not a registered name, nor a dotted path 'module:object'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"verifier {path!r}: cannot import module {module_name!r}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            raise ValueError(f"verifier {path!r}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def _from_object(obj: Any, name: str) -> Verifier:
+    if inspect.isclass(obj) and issubclass(obj, Verifier):
+        inst = obj()
+        inst.name = name
+        return inst
+    if isinstance(obj, Verifier):
+        return obj
+    marks = getattr(obj, "__verifier__", None)
+    if callable(obj) and isinstance(marks, dict):
+        return FunctionVerifier(obj, name, **marks)
+    raise ValueError(f"verifier {name!r} is {type(obj).__name__}: a verifier must be a Verifier subclass or a "
+                     "function marked with @workers.verifiers.verifier")
+
+
+def _entry_point(name: str):
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep
+    return None
+
+
+def resolve(name: str) -> Verifier:
+    """The verifier for a registered name, an entry point name or a dotted path (cached once loaded)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a verifier name is required")
+    with _lock:
+        if name in VERIFIERS:
+            return VERIFIERS[name]
+    ep = _entry_point(name)
+    if ep is not None:
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001  (a broken plugin is a clear error, not a crash)
+            raise ValueError(f"verifier {name!r}: entry point {ep.value!r} failed to load: {type(exc).__name__}: {exc}") from None
+    elif "." in name or ":" in name:
+        obj = _import(name)
+    else:
+        raise ValueError(f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))} "
+                         f"(or a dotted path 'module:object', or an entry point in {ENTRY_POINT_GROUP!r})")
+    inst = _from_object(obj, name)
+    with _lock:
+        VERIFIERS.setdefault(name, inst)
+        return VERIFIERS[name]
+
+
+def known_names() -> list[str]:
+    """Registered names plus installed entry points (dotted paths are accepted too)."""
+    names = set(VERIFIERS)
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def _has_field(row: dict, path: str) -> bool:
+    obj: Any = row
+    for part in path.split("."):
+        if not isinstance(obj, dict) or part not in obj or obj[part] is None:
+            return False
+        obj = obj[part]
+    return True
+
+
+def missing_fields(required: Iterable[str], rows: Iterable[tuple[int, dict]], limit: int = 100) -> tuple[int, list[dict]]:
+    """Check `(line_number, row)` pairs for the required fields. Returns (rows lacking any, the first
+    `limit` of them as {"line", "missing"})."""
+    required = tuple(required)
+    count, report = 0, []
+    if not required:
+        return 0, []
+    for line, row in rows:
+        missing = [f for f in required if not _has_field(row, f)]
+        if missing:
+            count += 1
+            if len(report) < limit:
+                report.append({"line": line, "missing": missing})
+    return count, report
+
+
+def describe_missing(name: str, count: int, report: list[dict]) -> str:
+    shown = "; ".join(f"line {r['line']}: {', '.join(r['missing'])}" for r in report[:20])
+    more = f" (and {count - 20} more)" if count > 20 else ""
+    return f"{count} row(s) lack fields verifier {name!r} needs: {shown}{more}"
