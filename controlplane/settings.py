@@ -38,6 +38,7 @@ INSTALLED_APPS = [
     "controlplane.dashboard",
     "controlplane.api",
     "controlplane.diagnostics",
+    "controlplane.profiling",
 ]
 
 MIDDLEWARE = [

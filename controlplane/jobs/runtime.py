@@ -135,7 +135,10 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
 
             from controlplane.diagnostics.services import instrument_run  # telemetry + adaptive concurrency
 
-            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(job, spec, sink, control)))
+            from controlplane.profiling.services import profile_run  # profiling switched on / off while it runs
+
+            summary = asyncio.run(run_collection(spec, tasks, *profile_run(job, spec, *instrument_run(job, spec, sink, control),
+                                                                           db=db, worker_name=worker_name)))
         finally:
             db.close()
         logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",

@@ -50,6 +50,7 @@ from typing import AsyncIterable, Iterable
 
 import aiohttp
 
+from workers.profiling.core import unwrap_result, verify_call
 from workers.verifiers import get_verifier, verify_row
 from workers.verifiers.base import Verifier
 
@@ -184,7 +185,7 @@ class _VerifyBatcher:
             if not batch:
                 return
             try:
-                cfut = pool.submit(_verify_batch, [args for args, _ in batch])
+                cfut = pool.submit(*verify_call(_verify_batch, [args for args, _ in batch]))  # profiling, if on
             except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
                 if isinstance(exc, BrokenProcessPool):
                     _discard_broken_pool(pool)
@@ -202,7 +203,7 @@ class _VerifyBatcher:
         exc = asyncio.CancelledError() if afut.cancelled() else afut.exception()
         if isinstance(exc, BrokenProcessPool):
             _discard_broken_pool(pool)
-        results = afut.result() if exc is None else None
+        results = unwrap_result(afut.result()) if exc is None else None
         for i, (_, fut) in enumerate(batch):
             if fut.done():
                 continue

@@ -6,3 +6,16 @@ function (picklable), so the engine can run CPU-bound verifiers in a process poo
 from .base import VerifyResult, Verifier, get_verifier, register, verify_row, VERIFIERS  # noqa: F401
 from . import match as _match  # noqa: F401  (registers exact / normalized)
 from . import math as _math  # noqa: F401  (registers math)
+
+
+def _load_plugins() -> None:
+    """VERIFIER_PLUGINS=pkg.mod,other.mod: modules that register more verifiers (imported here, so the
+    engine's verifier processes have them too)."""
+    import importlib
+    import os
+
+    for name in filter(None, (m.strip() for m in os.environ.get("VERIFIER_PLUGINS", "").split(","))):
+        importlib.import_module(name)
+
+
+_load_plugins()
