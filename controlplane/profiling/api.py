@@ -6,7 +6,7 @@
                                             "clock": "wall"|"cpu", "budget_pct": 2, "window_s": 5,
                                             "stats_urls": [{"url": ".../stats", "log": ".../server.log"}]}
     DELETE /api/jobs/<id>/profile/          switch it off (the job keeps running)
-    GET    /api/jobs/<id>/profile/export/?format=pstats|callgrind|tree
+    GET    /api/jobs/<id>/profile/export/?type=pstats|callgrind|tree
     GET    /api/profiles/compare/?a=<job>&b=<job>   per function: Δttot, Δtavg, Δncall, shares, verdicts
 """
 from __future__ import annotations
@@ -97,12 +97,12 @@ class JobProfileView(_Base):
 
 class JobProfileExportView(_Base):
     @extend_schema(summary="Export the job's profile: pstats (snakeviz), callgrind (KCachegrind), or a call tree",
-                   parameters=[OpenApiParameter("format", str, enum=["pstats", "callgrind", "tree"]),
+                   parameters=[OpenApiParameter("type", str, enum=["pstats", "callgrind", "tree"]),
                                OpenApiParameter("session", int, required=False)],
                    responses={200: OpenApiTypes.BINARY})
     def get(self, request, job_id: str):
         job = _job(request, job_id)
-        fmt = request.query_params.get("format", "pstats")
+        fmt = request.query_params.get("type", "pstats")  # not "format": DRF reads that one
         snaps = ProfileSnapshot.objects.filter(job=job)
         if request.query_params.get("session"):
             try:
@@ -122,7 +122,7 @@ class JobProfileExportView(_Base):
             return resp
         if fmt == "tree":
             return Response(services.call_tree(rows))
-        raise ValidationError({"format": "one of pstats, callgrind, tree"})
+        raise ValidationError({"type": "one of pstats, callgrind, tree"})
 
 
 class ProfileCompareView(_Base):

@@ -51,10 +51,10 @@ def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, wi
         raise ProfilingError("budget_pct must be between 0.1 and 100")
     if not 1 <= float(window_s) <= 600:
         raise ProfilingError("window_s must be between 1 and 600")
-    urls = list(stats_urls or [])
-    for u in urls:
-        if not isinstance(u, str) or not re.match(r"^https?://", u):
-            raise ProfilingError(f"stats_urls: {u!r} is not an http(s) URL")
+    urls = [u if isinstance(u, dict) else {"url": u} for u in (stats_urls or [])]
+    for u in urls:  # NeMo Gym servers: {"url": "http://host:port/stats", "log": "<results dir>/<server>.log"}
+        if not isinstance(u.get("url"), str) or not re.match(r"^https?://", u["url"]):
+            raise ProfilingError(f"stats_urls: {u.get('url')!r} is not an http(s) URL")
     if job.state not in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED):
         raise ProfilingError(f"job {job.pk} is {job.state}: profiling applies to a queued, running or paused job")
     now = timezone.now()
@@ -249,7 +249,8 @@ def _is_idle(r) -> bool:
 def _is_external(r) -> bool:
     if r.module == "time" and r.name in ("sleep", "time.sleep"):
         return True
-    return bool(EXTERNAL_MODULE.search(r.module)) or bool(re.match(r"^_?socket\.|^ssl\.|^_ssl\.", r.name))
+    return (bool(EXTERNAL_MODULE.search(r.module)) or bool(re.match(r"^_?socket\.|^_?ssl\.", r.name))
+            or bool(re.search(r"of '_?(socket|ssl)\.", r.name)))  # builtin methods: <method 'recv' of '_socket.socket' objects>
 
 
 def _label(r) -> str:
