@@ -12,9 +12,14 @@ import socket
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
+from controlplane.jobs.models import CollectionJob, JobState
+from workers.engine.verify_pool import SHARED_VERIFY_POOL
+from workers.profiling.control import ProfilingControl, ProfilingSink
 from workers.profiling.core import FuncRow, ProfileConfig, merge_rows
+from workers.profiling.nemo_gym import StatsPuller
 
 from .models import ProfileRow, ProfileSession, ProfileSnapshot
 
@@ -37,8 +42,6 @@ class ProfilingError(ValueError):
 def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, window_s=5.0, stats_urls=None,
           user=None) -> ProfileSession:
     """Switch profiling on for a job (queued or running); any session still on for it ends first."""
-    from controlplane.jobs.models import JobState
-
     try:
         ProfileConfig(session="check", scope=scope, clock=clock)
     except ValueError as exc:
@@ -74,8 +77,6 @@ def stop(job) -> int:
 
 
 def models_q_active(now):
-    from django.db.models import Q
-
     return Q(until__isnull=True) | Q(until__gt=now)
 
 
@@ -93,13 +94,10 @@ def config_for(session: ProfileSession | None) -> ProfileConfig | None:
 
 
 # ------------------------------------------------------------------------------ worker hook
-def profile_run(job, spec, sink, control, db, worker_name=""):
+def profile_run(job, sink, control, *, db, worker_name=""):
     """Wrap a run's (sink, control) so that profiling follows the job's sessions while it runs.
     Never raises: a problem here leaves the run as it was."""
     try:
-        from workers.profiling.control import ProfilingControl, ProfilingSink
-        from workers.profiling.nemo_gym import StatsPuller
-
         job_id = job.pk
         state = {"session": None}
         host = socket.gethostname()
@@ -127,7 +125,8 @@ def profile_run(job, spec, sink, control, db, worker_name=""):
                 p = pullers[s.pk] = StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s)
             return p.poll()
 
-        pctl = ProfilingControl(control, source, emit, worker=worker_name or host, extra_sources=[pull_stats])
+        pctl = ProfilingControl(control, source, emit, worker=worker_name or host, extra_sources=[pull_stats],
+                                pool=lambda: SHARED_VERIFY_POOL._executor)  # the running executor, never a new one
         return ProfilingSink(sink, pctl), pctl
     except Exception:  # noqa: BLE001
         logger.exception("job %s: could not attach profiling; running without", job.pk)
@@ -350,8 +349,6 @@ def red_flags(rows, *, verifications=0, job=None, over_half=0.5, nested=0.3, sel
 
 
 def growth_flags(job, rows, total, min_size_ratio=2.0, min_tavg_ratio=1.5, share=0.05) -> list[dict]:
-    from controlplane.jobs.models import CollectionJob
-
     others = (CollectionJob.objects.filter(verifier=job.verifier, profile_snapshots__isnull=False)
               .exclude(pk=job.pk).distinct().order_by("-pk")[:10])
     size = job.total_rollouts or 0

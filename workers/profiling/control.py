@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 
 class ProfilingControl:
     def __init__(self, inner, source: Callable[[], ProfileConfig | None],
-                 emit: Callable[[list[ProfileSnapshot]], None], worker: str = "", extra_sources=()):
+                 emit: Callable[[list[ProfileSnapshot]], None], worker: str = "", extra_sources=(), pool=None):
         self.inner = inner
         self.source = source
         self.emit = emit
-        self.profiler = Profiler(worker)
+        self.profiler = Profiler(worker, pool=pool)  # pool: () -> the engine's verifier ProcessPoolExecutor
         self.extra_sources = list(extra_sources)  # callables () -> list[ProfileSnapshot] (e.g. NeMo Gym /stats)
         self.finished = False
         self.lock = threading.Lock()

@@ -1,6 +1,7 @@
 """yappi in the verifier pool and the worker process; rows, windows, snapshots (see the package docstring)."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import random
@@ -287,8 +288,9 @@ class Profiler:
     """Collects one run's profiling in this process. apply() (control thread) starts / stops a session;
     add() (event loop, via unwrap_result) takes the pool's rows; drain() returns finished windows."""
 
-    def __init__(self, worker: str = ""):
+    def __init__(self, worker: str = "", pool=None):
         self.worker = worker or socket.gethostname()
+        self.pool = pool
         self.config: ProfileConfig | None = None
         self.lock = threading.Lock()
         self.ready: list[ProfileSnapshot] = []
@@ -348,12 +350,12 @@ class Profiler:
 
     def _collect_pool_final(self, session: str, timeout: float = 3.0) -> None:
         """Ask each pool process for what it gathered since its last flush (best effort, bounded)."""
+        if self.pool is None:
+            return
         try:
-            from workers.engine.runner import get_verify_pool  # lazy: the runner imports this module
-
-            import concurrent.futures as cf
-
-            pool = get_verify_pool()
+            pool = self.pool()
+            if pool is None:
+                return
             futs = [pool.submit(_flush_now, session) for _ in range(pool._max_workers)]
             done, _ = cf.wait(futs, timeout=timeout)
             for f in done:
