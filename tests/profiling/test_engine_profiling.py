@@ -8,13 +8,14 @@ import time
 import pytest
 
 from workers.engine.materialize import materialize
-from workers.engine.runner import _verify_batch, run_collection
+from workers.engine.runner import run_collection
+from workers.engine.verify_pool import _verify_batch
 from workers.profiling import core
 from workers.profiling.control import ProfilingControl, ProfilingSink
 from workers.profiling.core import FuncRow, ProfileConfig, _profiled_batch, merge_rows
 from workers.profiling.nemo_gym import parse_log
 
-from ..workers.test_engine import ListSink, math_rows, spec_for
+from tests.workers.test_engine import ListSink, math_rows, spec_for
 
 
 def _items(n):
