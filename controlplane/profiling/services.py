@@ -517,3 +517,39 @@ def call_tree(rows, max_depth=12, min_share=0.005) -> dict:
     return {"name": "all", "value": int(total * 1e6),
             "children": [node(r, r.ttot, 1, {r.key}) for r in sorted(roots, key=lambda r: -r.ttot)
                          if r.ttot / total >= min_share]}
+
+
+# ------------------------------------------------------------------------------------ diagnosis
+def profile_top(job) -> dict | None:
+    """The function the diagnosis names for a verification-bound job: the first red flag of the newest
+    profile (or its costliest function), or None before any snapshot. Never raises."""
+    try:
+        session = (ProfileSession.objects.filter(job=job, snapshots__isnull=False).distinct()
+                   .order_by("-started_at", "-pk").first())
+        if session is None:
+            return None
+        snaps = list(ProfileSnapshot.objects.filter(session=session))
+        rows = rows_of(snaps)
+        total = sum(max(0.0, r.tsub) for r in rows)
+        if not rows or total <= 0:
+            return None
+        flags = red_flags(rows, verifications=sum(s.verifications for s in snaps))
+        for kind in ("over_half", "self_time", "hot_repeated", "sync_external", "nested"):
+            f = next((f for f in flags if f["kind"] == kind), None)
+            if f is not None:
+                if kind == "nested":  # name the child that holds the time
+                    leaf = next((r for r in rows if r.name == f["drill_function"]), None)
+                    if leaf is not None:
+                        return {"function": leaf.name, "module": short_module(leaf.module), "line": leaf.line,
+                                "figure": f["figure"], "flag": kind, "advice": f["advice"], "session": session.pk}
+                return {"function": f["function"], "module": f["module"], "line": f["line"], "figure": f["figure"],
+                        "flag": kind, "advice": f["advice"], "session": session.pk}
+        r = max((r for r in rows if not _is_harness(r) and not _is_idle(r)), key=lambda r: r.tsub, default=None)
+        if r is None:
+            return None
+        return {"function": r.name, "module": short_module(r.module), "line": r.line, "flag": None,
+                "figure": f"tsub {r.tsub:.3f}s = {100 * r.tsub / total:.0f}% of profiled time",
+                "advice": "the costliest function by self time", "session": session.pk}
+    except Exception:  # noqa: BLE001  (the diagnosis goes on without it)
+        logger.exception("job %s: profile summary for the diagnosis failed", getattr(job, "pk", None))
+        return None

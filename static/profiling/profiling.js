@@ -33,11 +33,45 @@ if (panel && !panel.dataset.wired) {
       `<td>${r.ncall}</td><td>${fmt(r.tsub, 4)}</td><td>${fmt(r.ttot, 4)}</td><td>${fmt(r.tavg, 6)}</td><td>${fmt(r.share, 3)}</td></tr>`).join("");
   }
 
+  // The flame graph (d3-flame-graph from npm, copied to static/vendor by scripts/frontend.sh), redrawn when a
+  // new snapshot arrives. Its UMD build bundles d3-selection without exposing d3: the chart is handed a
+  // one-element selection with the three methods it calls (each, datum, selectAll().remove()).
+  let flame = null, flameKey = null;
+  function selection(el, data) {
+    const s = {
+      _d: data,
+      each(fn) { fn.call(el, s._d); return s; },
+      datum(v) { if (!arguments.length) return s._d; s._d = typeof v === "function" ? v.call(el, s._d) : v; return s; },
+      selectAll(q) { return { remove() { el.querySelectorAll(q).forEach((n) => n.remove()); } }; },
+    };
+    return s;
+  }
+  async function renderFlame(p) {
+    const el = panel.querySelector("#profiling-flame");
+    const key = `${p.session && p.session.id}:${p.snapshots}`;
+    if (!el || !p.snapshots || key === flameKey || typeof window.flamegraph !== "function") return;
+    flameKey = key;
+    const r = await fetch(api + "export/?type=tree", { credentials: "same-origin" });
+    if (!r.ok) return;
+    const tree = await r.json();
+    if (!flame) {
+      flame = window.flamegraph().width(Math.max(300, el.clientWidth || 800)).cellHeight(16).minFrameSize(2)
+        .label((d) => `${d.data.name}: ${(d.data.value / 1e6).toFixed(3)} s`);
+      flame(selection(el, tree));
+    } else {
+      flame.update(tree);
+    }
+  }
+
   async function refresh() {
     if (document.hidden) return;
     try {
       const r = await fetch(api, { headers: { Accept: "application/json" }, credentials: "same-origin" });
-      if (r.ok) render(await r.json());
+      if (r.ok) {
+        const p = await r.json();
+        render(p);
+        renderFlame(p).catch((e) => console.warn(e));
+      }
     } catch (e) { console.warn(e); }
   }
 
@@ -60,7 +94,7 @@ if (panel && !panel.dataset.wired) {
       const k = th.dataset.key;
       sortDesc = sortKey === k ? !sortDesc : k !== "name";
       sortKey = k;
-      if (last) render(last);
+      if (last) render(last); else refresh();
     });
   }
   refresh();

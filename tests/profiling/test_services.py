@@ -179,3 +179,34 @@ def test_profile_job_command(job):
     assert services.active_session(job.pk).seconds == 30 and "profiling on" in out.getvalue()
     call_command("profile_job", str(job.pk), "--off", stdout=out)
     assert services.active_session(job.pk) is None
+
+
+def test_diagnosis_offers_profiling_then_names_the_top_function(job):
+    """A verification-bound job: the diagnosis offers "profile for 60 s"; once a snapshot exists it names the
+    function holding the time, with the figure and the advice."""
+    from controlplane.diagnostics.services import diagnose_job
+    from tests.workers.test_diagnosis import base, shares
+    from workers.diagnosis import VERIFICATION, diagnose
+    from workers.profiling.core import FuncRow
+
+    ev = shares(base(cpu_children_pct=760.0), 20, 80, 400, 510)
+    d = diagnose(ev)
+    assert d.verdict == VERIFICATION
+    offer = next(r for r in d.recommendations if r.setting == "profile_seconds")
+    assert offer.value == 60 and "Profile verification for 60 s" in offer.action
+
+    assert services.profile_top(job) is None
+    s = services.start(job, seconds=60)
+    services.record(job.pk, [snap(s, [
+        FuncRow("/srv/v.py", 10, "Verifier.verify", 100, 0.05, 2.0, 0.02, [["/srv/v.py", 30, "is_known", 100, 1.9]]),
+        FuncRow("/srv/v.py", 30, "is_known", 100, 1.9, 1.9, 0.019)], verifications=100, profiled=100)])
+    top = services.profile_top(job)
+    assert top["function"] == "is_known" and top["flag"] == "over_half" and "97% of total" in top["figure"]  # 1.9 of 1.95 s
+    ev.profile_top = top
+    d = diagnose(ev)
+    first = d.recommendations[0]
+    assert first.action.startswith("Fix is_known (/srv/v.py:30) first") and "over_half" in first.why
+    assert not any(r.setting == "profile_seconds" for r in d.recommendations)
+    assert any(i.name == "profile_top_function" and i.value == "is_known" for i in d.evidence_items)
+    # the stored-data path puts it into the evidence
+    assert any(i.name == "profile_top_function" and i.value == "is_known" for i in diagnose_job(job).evidence_items)

@@ -93,6 +93,7 @@ class Evidence:
     output_tokens_mean: float | None = None
     # parallelism sweep
     sweep: dict | None = None
+    profile_top: dict | None = None  # the job's profile: {function, module, line, share, flag, advice}
 
     def to_dict(self) -> dict:
         return asdict(self)
