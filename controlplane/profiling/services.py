@@ -69,6 +69,16 @@ def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, wi
             started_at=now, until=now + timedelta(seconds=seconds) if seconds else None)
 
 
+def start_with_job(job) -> ProfileSession | None:
+    """A job created with profiling_enabled: its first run opens a session that lasts until it is switched off
+    (once per job: a resumed job or its other chunks find it)."""
+    with transaction.atomic():
+        CollectionJob.objects.select_for_update().filter(pk=job.pk).first()  # one chunk at a time decides
+        if ProfileSession.objects.filter(job=job).exists():
+            return None
+        return ProfileSession.objects.create(job=job, requested_by=job.owner)
+
+
 def stop(job) -> int:
     """Switch profiling off for a job (the workers send their last window). Returns the sessions ended."""
     now = timezone.now()
@@ -99,6 +109,8 @@ def profile_run(job, sink, control, *, db, worker_name=""):
     Never raises: a problem here leaves the run as it was."""
     try:
         job_id = job.pk
+        if getattr(job, "profiling_enabled", False):
+            start_with_job(job)
         state = {"session": None}
         host = socket.gethostname()
 

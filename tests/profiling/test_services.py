@@ -210,3 +210,45 @@ def test_diagnosis_offers_profiling_then_names_the_top_function(job):
     assert any(i.name == "profile_top_function" and i.value == "is_known" for i in d.evidence_items)
     # the stored-data path puts it into the evidence
     assert any(i.name == "profile_top_function" and i.value == "is_known" for i in diagnose_job(job).evidence_items)
+
+
+def test_a_job_created_with_profiling_enabled_opens_one_session(job):
+    from controlplane.jobs.sink import DbThread
+
+    job.profiling_enabled = True
+    db = DbThread(name="t")
+    try:
+        sink, control = services.profile_run(job, object(), None, db=db, worker_name="w1")
+        services.profile_run(job, object(), None, db=db, worker_name="w2")  # another chunk
+    finally:
+        db.close()
+    assert ProfileSession.objects.filter(job=job).count() == 1
+    s = services.active_session(job.pk)
+    assert s is not None and s.seconds is None and s.scope == "verify"
+    assert type(control).__name__ == "ProfilingControl" and control.source().session == s.key
+    services.stop(job)
+    services.profile_run(job, object(), None, db=None, worker_name="w3")  # after it was switched off: not again
+    assert services.active_session(job.pk) is None
+
+
+def test_rolloutctl_profile_on_show_off(user, job, capsys):
+    """rolloutctl over the API (DRF's in-process requests adapter in place of the network)."""
+    from rest_framework.authtoken.models import Token
+    from rest_framework.test import RequestsClient
+
+    from rolloutctl.cli import build_parser, do_profile
+    from rolloutctl.client import Client
+
+    token = Token.objects.create(user=user).key
+    client = Client("http://testserver", token, session=RequestsClient())
+    client.session.headers["Authorization"] = f"Token {token}"
+    args = build_parser().parse_args(["profile", str(job.pk), "--seconds", "45", "--clock", "cpu", "--no-wait"])
+    assert do_profile(client, args) == 0
+    s = services.active_session(job.pk)
+    assert s.seconds == 45 and s.clock == "cpu"
+    services.record(job.pk, [snap(s, profiled_rows(scan, list(range(50_000)), -1))])
+    assert do_profile(client, build_parser().parse_args(["profile", str(job.pk), "--show"])) == 0
+    out = capsys.readouterr().out
+    assert "scan" in out and "ncall" in out and "1 snapshots from 1 worker(s)" in out
+    assert do_profile(client, build_parser().parse_args(["profile", str(job.pk), "--off"])) == 0
+    assert services.active_session(job.pk) is None

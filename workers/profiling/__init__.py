@@ -1,11 +1,12 @@
 """Profiling a running collection with yappi, switched on and off while the job runs (no restart).
 
 Two scopes:
-* "verify" (default): the verifier processes of the engine's pool. Each pool process profiles a sample of
-  the verifications it runs (yappi started and stopped around one verification), measures how much longer
-  a profiled verification takes than an unprofiled one, and picks the sampled fraction so that the
-  estimated throughput cost stays within a budget (default 2 %). Figures are scaled to all verifications
-  (x verifications / profiled), so ncall, tsub and ttot estimate the whole window; tavg is not scaled.
+* "verify" (default): the verifier processes of the engine's pool. Each pool process profiles some of the
+  verifications it runs (yappi started and stopped around one verification), measures how much longer a
+  profiled verification takes than an unprofiled one, and profiles the next one only while that extra time
+  is within a budget (default 2 %) of all its verification time, so the throughput cost holds to the budget.
+  Figures are scaled to all verifications (x verifications / profiled), so ncall, tsub and ttot estimate
+  the whole window; tavg is not scaled (it is measured under the profiler: inflated by its overhead).
 * "worker": the whole worker process (every thread: event loop, sink, control) with yappi running
   continuously, plus every verification in the pool (no sampling). Costly; for finding non-verifier work.
 

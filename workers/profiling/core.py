@@ -16,8 +16,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_S = 1.0  # a pool process hands its rows back at most this often (with a batch's results)
 GRACE_S = 10.0  # after a session ends, batches still go through the wrapper so that every process flushes
-START_FRACTION = 0.02  # sampled fraction of verifications before the overhead is measured
-MIN_FRACTION = 0.001
 _MARK = "__profiled__"
 
 
@@ -146,24 +144,37 @@ class ProfileSnapshot:
 
 # ------------------------------------------------------------------------------ pool-process side
 class _PoolState:
+    """One pool process's session. Budget gating: a verification is profiled only while the extra time spent
+    profiling so far (profiled time minus the mean unprofiled time, per profiled call) is within `budget` % of
+    all the verification time of the session; so the cost holds to the budget whatever the profiler's
+    overhead on this verifier (4x on sympy-heavy code), and the sampled fraction follows from it."""
+
     def __init__(self):
         self.session = None
         self.budget = None
         self.builtins = True
-        self.frac = START_FRACTION
-        self.reset_window()
         self.n_plain = self.n_prof_all = 0
         self.t_plain = self.t_prof_all = 0.0
+        self.t_all = 0.0  # all verification time of the session
+        self.spent = 0.0  # extra time spent profiling
+        self.reset_window()
 
     def reset_window(self):
         self.w_items = self.w_prof = 0
-        self.w_t_prof = self.w_t_plain = 0.0
+        self.w_time = self.w_spent = 0.0
         self.last_flush = time.monotonic()
 
     def per_item(self):
-        if self.n_plain < 5 or self.n_prof_all < 3:
+        if self.n_plain < 5 or self.n_prof_all < 1:
             return None, None
         return self.t_plain / self.n_plain, self.t_prof_all / self.n_prof_all
+
+    def should_profile(self) -> bool:
+        if self.budget is None:
+            return True
+        if self.n_plain < 5:  # the unprofiled time per call first
+            return False
+        return self.spent <= (self.budget / 100.0) * self.t_all
 
 
 _STATE = _PoolState()
@@ -176,7 +187,6 @@ def _start_session(st: _PoolState, cfg) -> None:
     yappi.set_clock_type(clock)
     st.__init__()
     st.session, st.budget, st.builtins = session, budget, builtins
-    st.frac = 1.0 if budget is None else START_FRACTION
 
 
 def _flush(st: _PoolState, final=False) -> dict | None:
@@ -184,12 +194,10 @@ def _flush(st: _PoolState, final=False) -> dict | None:
         return None
     rows = rows_from_yappi(yappi.get_func_stats()) if st.w_prof else []
     yappi.clear_stats()
-    u, p = st.per_item()
     overhead = None
-    if u and st.w_items:
-        overhead = 100.0 * st.w_prof * max(0.0, p - u) / (st.w_items * u)
-    elif st.budget is None and st.w_items:
-        overhead = None  # everything profiled: no unprofiled calls to compare with
+    if st.budget is not None and st.w_time > st.w_spent:
+        overhead = 100.0 * st.w_spent / (st.w_time - st.w_spent)  # extra time / the time without profiling
+    u, p = st.per_item()
     payload = {"session": st.session, "pid": os.getpid(), "rows": [r.as_list() for r in rows], "items": st.w_items,
                "profiled": st.w_prof, "overhead_pct": overhead, "final": final, "t_plain": u, "t_profiled": p}
     st.reset_window()
@@ -197,8 +205,8 @@ def _flush(st: _PoolState, final=False) -> dict | None:
 
 
 def _profiled_batch(fn, items, cfg):
-    """In a pool process: run `fn` (the engine's batch verifier) one item at a time, profiling a sample of
-    them (all of them when the budget is None) for the session in `cfg`; cfg None ends any session."""
+    """In a pool process: run `fn` (the engine's batch verifier) one item at a time, profiling the items the
+    budget allows (all of them when the budget is None) for the session in `cfg`; cfg None ends any session."""
     st = _STATE
     payload = None
     if st.session is not None and (cfg is None or cfg[0] != st.session):
@@ -212,7 +220,7 @@ def _profiled_batch(fn, items, cfg):
         return (_MARK, fn(items), payload)
     out = []
     for item in items:
-        prof = st.budget is None or random.random() < st.frac
+        prof = st.should_profile()
         t = time.perf_counter()
         if prof:
             yappi.start(builtins=st.builtins, profile_threads=False)
@@ -223,17 +231,19 @@ def _profiled_batch(fn, items, cfg):
                 yappi.stop()
         dt = time.perf_counter() - t
         st.w_items += 1
+        st.w_time += dt
+        st.t_all += dt
         if prof:
             st.w_prof += 1
             st.n_prof_all += 1
             st.t_prof_all += dt
+            if st.n_plain:
+                extra = max(0.0, dt - st.t_plain / st.n_plain)
+                st.spent += extra
+                st.w_spent += extra
         else:
             st.n_plain += 1
             st.t_plain += dt
-    if st.budget is not None:
-        u, p = st.per_item()
-        if u is not None:
-            st.frac = min(1.0, max(MIN_FRACTION, (st.budget / 100.0) * u / max(p - u, 1e-9)))
     if payload is None and st.w_prof and time.monotonic() - st.last_flush >= FLUSH_S:
         payload = _flush(st)
     return (_MARK, out, payload)
