@@ -7,7 +7,9 @@ so verification is the limit and any profiling cost shows in the throughput. Eac
 modes in a rotating order. Reported: median throughput of each, the median of the per-round ratios to "off",
 and, for verification-only, the cost the profiler itself measured (profiled vs unprofiled verifications
 timed in the pool processes, weighted by the sampled share), which does not move with other processes' load
-on a shared machine the way the A/B ratio does.
+on a shared machine the way the A/B ratio does. CPU ms per rollout (the engine process and the verifier
+processes, from psutil) is the other load-independent figure: when verification is the limit, its ratio to
+"off" is the throughput a dedicated machine would lose.
 
     .venv/bin/python -m bench.bench_profiling                     # 4 rounds x 3 runs of 1200 rollouts
     .venv/bin/python -m bench.bench_profiling --rounds 6 -n 2000 --processes 2
@@ -21,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -51,6 +55,18 @@ class Count:
         pass
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (every thread: the engine) and of the verifier processes."""
+    total = sum(psutil.Process().cpu_times()[:2])
+    ex = SHARED_VERIFY_POOL._executor
+    for proc in (getattr(ex, "_processes", None) or {}).values():
+        try:
+            total += sum(psutil.Process(proc.pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
 async def one(spec, n, mode, k) -> dict:
     count = Count()
     sink, control, snaps = count, None, []
@@ -59,10 +75,10 @@ async def one(spec, n, mode, k) -> dict:
         control = ProfilingControl(None, lambda: cfg, snaps.extend, worker="bench",
                                    pool=lambda: SHARED_VERIFY_POOL._executor)
         sink = ProfilingSink(count, control)
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), cpu_seconds()
     await run_collection(spec, task_items(rows_math(n)), sink, control)
-    elapsed = time.monotonic() - t0
-    out = {"rps": count.ok / elapsed, "ok": count.ok, "elapsed": elapsed}
+    elapsed, cpu = time.monotonic() - t0, cpu_seconds() - c0
+    out = {"rps": count.ok / elapsed, "ok": count.ok, "elapsed": elapsed, "cpu_ms_per_rollout": 1000 * cpu / max(1, count.ok)}
     if snaps:
         items = sum(s.verifications for s in snaps)
         over = [(s.verifications, s.overhead_pct) for s in snaps if s.overhead_pct is not None]
@@ -96,21 +112,27 @@ async def main_async(args):
     med = statistics.median
     off = [r["rps"] for r in results["off"]]
     summary = {"rounds": args.rounds, "n": args.n, "parallelism": args.c, "processes": args.processes, "modes": {}}
+    off_cpu = [r["cpu_ms_per_rollout"] for r in results["off"]]
     for m in MODES:
         ratios = [r["rps"] / o for r, o in zip(results[m], off)]
+        cpu_ratios = [r["cpu_ms_per_rollout"] / o for r, o in zip(results[m], off_cpu)]
         summary["modes"][m] = {"rps_median": med(r["rps"] for r in results[m]), "ratio_median": med(ratios),
-                               "cost_pct": 100 * (1 - med(ratios)), "runs": results[m]}
+                               "cost_pct": 100 * (1 - med(ratios)),
+                               "cpu_ms_per_rollout_median": med(r["cpu_ms_per_rollout"] for r in results[m]),
+                               "cpu_ratio_median": med(cpu_ratios), "cpu_cost_pct": 100 * (med(cpu_ratios) - 1),
+                               "runs": results[m]}
     v = results["verify"]
     summary["verify_measured_overhead_pct"] = med(r["measured_overhead_pct"] or 0.0 for r in v)
     summary["verify_profiled_share_pct"] = 100 * sum(r["profiled"] for r in v) / max(1, sum(r["verifications"] for r in v))
     print()
     print(f"verification-bound collection: simulator (no latency), math verifier in {args.processes} processes, "
           f"parallelism {args.c}, {args.n} rollouts per run, {args.rounds} rounds (median)")
-    print(f"{'profiling':<34}{'rollouts/s':>12}{'vs off':>9}{'cost':>9}")
+    print(f"{'profiling':<38}{'rollouts/s':>11}{'vs off':>8}{'cost':>8}{'CPU ms/rollout':>16}{'vs off':>8}{'cost':>8}")
     labels = {"off": "off", "verify": "verification only (wall, 2% budget)", "worker": "whole worker (wall)"}
     for m in MODES:
         s = summary["modes"][m]
-        print(f"{labels[m]:<34}{s['rps_median']:>12.1f}{s['ratio_median']:>9.3f}{s['cost_pct']:>8.2f}%")
+        print(f"{labels[m]:<38}{s['rps_median']:>11.1f}{s['ratio_median']:>8.3f}{s['cost_pct']:>7.2f}%"
+              f"{s['cpu_ms_per_rollout_median']:>16.2f}{s['cpu_ratio_median']:>8.3f}{s['cpu_cost_pct']:>7.2f}%")
     print(f"verification only: {summary['verify_profiled_share_pct']:.2f}% of verifications profiled; cost the "
           f"profiler measured in the pool: {summary['verify_measured_overhead_pct']:.2f}% (median of rounds)")
     return summary

@@ -46,8 +46,9 @@ def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
     st = core._STATE
     u, p = st.per_item()
     assert p > 1.5 * u > 0  # a profiled math verification is much slower: that is what the budget limits
-    # the extra time spent profiling stays within 2 % of the verification time (plus at most one call's worth)
-    assert st.spent <= 0.02 * st.t_all + (p - u) * 1.5
+    # the extra time spent profiling (slower calls, reading the stats) stays near 2 % of the verification time:
+    # over by at most one call and one read of the stats
+    assert st.spent <= 0.03 * st.t_all
     assert 0 < st.n_prof_all < 0.2 * 1200  # a small share is profiled ...
     payloads = [p for p in payloads + [_profiled_batch(_verify_batch, _items(1), None)[2]] if p]
     assert sum(p["items"] for p in payloads) == 1200  # ... every verification is counted
@@ -108,3 +109,48 @@ def test_nemo_gym_log_rows_and_a_bad_line_named():
     assert rows[0].ttot == pytest.approx(17.98387) and rows[0].module.endswith("library_judge_math/app.py")
     with pytest.raises(ValueError, match="line 3"):
         parse_log(LOG.replace("1024    0.002933", "lots 0.002933"), source="x.log")
+
+
+def test_nemo_gym_stats_pulled_as_the_change_since_the_last_pull(tmp_path):
+    """A stand-in for a NeMo Gym server started with +profiling_enabled=true: GET /stats answers with an empty
+    body and (re)writes <dir>/<server>.log, yappi's table, cumulative since start-up (recorded format)."""
+    import http.server
+    import threading
+
+    from workers.profiling.nemo_gym import StatsPuller
+
+    log_path = tmp_path / "library_judge_math.log"
+    calls = {"n": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            calls["n"] += 1
+            k = calls["n"]
+            log_path.write_text(LOG.replace("1024    0.009755  17.98387", f"{1024 * k}    0.009755  {17.98387 * k}"))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/stats"
+        puller = StatsPuller([{"url": url, "log": str(log_path)}], session="s1", window_s=0)
+        assert puller.poll() == []  # the first pull is the baseline
+        snaps = puller.poll()
+        assert calls["n"] == 2 and len(snaps) == 1
+        snap = snaps[0]
+        assert snap.source == "nemo-gym" and snap.worker == url and snap.session == "s1"
+        rows = {r.name: r for r in snap.rows}
+        assert rows["LibraryJudgeMathResourcesServer.verify"].ncall == 1024  # 2048 - 1024
+        assert rows["LibraryJudgeMathResourcesServer.verify"].ttot == pytest.approx(17.98387)
+        assert "<genexpr>" not in rows  # unchanged since the last pull
+        # an unreachable server is logged and skipped, never raised into the job
+        dead = StatsPuller([{"url": "http://127.0.0.1:9/stats", "log": str(log_path)}], session="s1", window_s=0,
+                           timeout_s=2)
+        assert dead.poll() == []
+    finally:
+        srv.shutdown()

@@ -212,6 +212,7 @@ def test_diagnosis_offers_profiling_then_names_the_top_function(job):
     assert any(i.name == "profile_top_function" and i.value == "is_known" for i in diagnose_job(job).evidence_items)
 
 
+@pytest.mark.django_db(transaction=True)  # the DB thread reads the session on its own connection
 def test_a_job_created_with_profiling_enabled_opens_one_session(job):
     from controlplane.jobs.sink import DbThread
 
@@ -220,12 +221,12 @@ def test_a_job_created_with_profiling_enabled_opens_one_session(job):
     try:
         sink, control = services.profile_run(job, object(), None, db=db, worker_name="w1")
         services.profile_run(job, object(), None, db=db, worker_name="w2")  # another chunk
+        assert ProfileSession.objects.filter(job=job).count() == 1
+        s = services.active_session(job.pk)
+        assert s is not None and s.seconds is None and s.scope == "verify"
+        assert type(control).__name__ == "ProfilingControl" and control.source().session == s.key
     finally:
         db.close()
-    assert ProfileSession.objects.filter(job=job).count() == 1
-    s = services.active_session(job.pk)
-    assert s is not None and s.seconds is None and s.scope == "verify"
-    assert type(control).__name__ == "ProfilingControl" and control.source().session == s.key
     services.stop(job)
     services.profile_run(job, object(), None, db=None, worker_name="w3")  # after it was switched off: not again
     assert services.active_session(job.pk) is None

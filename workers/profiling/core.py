@@ -14,7 +14,7 @@ import yappi
 
 log = logging.getLogger(__name__)
 
-FLUSH_S = 1.0  # a pool process hands its rows back at most this often (with a batch's results)
+FLUSH_S = 5.0  # default: a pool process hands its rows back at most once per window (with a batch's results)
 GRACE_S = 10.0  # after a session ends, batches still go through the wrapper so that every process flushes
 _MARK = "__profiled__"
 
@@ -121,7 +121,7 @@ class ProfileConfig:
 
     def pool_args(self) -> tuple:
         budget = None if self.scope == "worker" else float(self.budget_pct)
-        return (self.session, self.clock, budget, bool(self.builtins))
+        return (self.session, self.clock, budget, bool(self.builtins), max(1.0, float(self.window_s)))
 
 
 @dataclass
@@ -156,7 +156,8 @@ class _PoolState:
         self.n_plain = self.n_prof_all = 0
         self.t_plain = self.t_prof_all = 0.0
         self.t_all = 0.0  # all verification time of the session
-        self.spent = 0.0  # extra time spent profiling
+        self.spent = 0.0  # extra time spent profiling (slower profiled calls, and reading the stats)
+        self.flush_s = FLUSH_S
         self.reset_window()
 
     def reset_window(self):
@@ -174,26 +175,35 @@ class _PoolState:
             return True
         if self.n_plain < 5:  # the unprofiled time per call first
             return False
-        return self.spent <= (self.budget / 100.0) * self.t_all
+        u, p = self.per_item()
+        expected = max(0.0, p - u) if u is not None else 0.0  # what this call would add
+        return self.spent + expected <= (self.budget / 100.0) * self.t_all
 
 
 _STATE = _PoolState()
 
 
 def _start_session(st: _PoolState, cfg) -> None:
-    session, clock, budget, builtins = cfg
+    session, clock, budget, builtins = cfg[:4]
     yappi.stop()
     yappi.clear_stats()
     yappi.set_clock_type(clock)
     st.__init__()
     st.session, st.budget, st.builtins = session, budget, builtins
+    st.flush_s = cfg[4] if len(cfg) > 4 else FLUSH_S
 
 
 def _flush(st: _PoolState, final=False) -> dict | None:
     if st.session is None or (st.w_items == 0 and not final):
         return None
+    t0 = time.perf_counter()
     rows = rows_from_yappi(yappi.get_func_stats()) if st.w_prof else []
     yappi.clear_stats()
+    cost = time.perf_counter() - t0  # reading the stats (~75 ms for 450 sympy functions): part of the budget
+    st.spent += cost
+    st.w_spent += cost
+    st.t_all += cost
+    st.w_time += cost
     overhead = None
     if st.budget is not None and st.w_time > st.w_spent:
         overhead = 100.0 * st.w_spent / (st.w_time - st.w_spent)  # extra time / the time without profiling
@@ -244,7 +254,7 @@ def _profiled_batch(fn, items, cfg):
         else:
             st.n_plain += 1
             st.t_plain += dt
-    if payload is None and st.w_prof and time.monotonic() - st.last_flush >= FLUSH_S:
+    if payload is None and st.w_prof and time.monotonic() - st.last_flush >= st.flush_s:
         payload = _flush(st)
     return (_MARK, out, payload)
 
