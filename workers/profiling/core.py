@@ -156,6 +156,7 @@ class _PoolState:
         self.n_plain = self.n_prof_all = 0
         self.t_plain = self.t_prof_all = 0.0
         self.t_all = 0.0  # all verification time of the session
+        self.u_ema = None  # recent unprofiled time per call (a moving average: forgets a slow first call)
         self.spent = 0.0  # extra time spent profiling (slower profiled calls, and reading the stats)
         self.flush_s = FLUSH_S
         self.reset_window()
@@ -168,7 +169,7 @@ class _PoolState:
     def per_item(self):
         if self.n_plain < 5 or self.n_prof_all < 1:
             return None, None
-        return self.t_plain / self.n_plain, self.t_prof_all / self.n_prof_all
+        return self.u_ema, self.t_prof_all / self.n_prof_all
 
     def should_profile(self) -> bool:
         if self.budget is None:
@@ -247,13 +248,14 @@ def _profiled_batch(fn, items, cfg):
             st.w_prof += 1
             st.n_prof_all += 1
             st.t_prof_all += dt
-            if st.n_plain:
-                extra = max(0.0, dt - st.t_plain / st.n_plain)
+            if st.u_ema is not None:
+                extra = max(0.0, dt - st.u_ema)
                 st.spent += extra
                 st.w_spent += extra
         else:
             st.n_plain += 1
             st.t_plain += dt
+            st.u_ema = dt if st.u_ema is None else 0.95 * st.u_ema + 0.05 * dt
     if payload is None and st.w_prof and time.monotonic() - st.last_flush >= st.flush_s:
         payload = _flush(st)
     return (_MARK, out, payload)
