@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "controlplane.dashboard",
     "controlplane.api",
     "controlplane.diagnostics",
+    "controlplane.profiling",
 ]
 
 MIDDLEWARE = [

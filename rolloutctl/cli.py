@@ -361,6 +361,40 @@ def _add_gates(p, required=False):
                         f"mean/reward and the other aggregates; default {DEFAULT_MAX_FAILED_FRACTION}, 1 turns it off)")
 
 
+def do_profile(client, args) -> int:
+    path = f"jobs/{args.job}/profile/"
+    if args.off:
+        client.request("DELETE", path)
+        log(f"profiling off for job {args.job}")
+        return EXIT_OK
+    if not args.show:
+        _, s = client.post_json(path, {"seconds": args.seconds, "scope": args.scope, "clock": args.clock})
+        log(f"profiling on for job {args.job}: session {s['id']} ({s['scope']}, {s['clock']} clock) for {args.seconds:.0f} s")
+        if args.no_wait:
+            return EXIT_OK
+        deadline = time.monotonic() + args.seconds + 15
+        while time.monotonic() < deadline:
+            time.sleep(min(5.0, max(1.0, args.seconds / 10)))
+            prof = client.get_json(path)
+            if prof["active"] is None:
+                time.sleep(6)  # the workers' last windows
+                break
+    prof = client.get_json(path)
+    if not prof["snapshots"]:
+        print("no snapshot yet")
+        return EXIT_OK
+    over = f", measured overhead {prof['overhead_pct']:.2f}%" if prof["overhead_pct"] is not None else ""
+    print(f"{prof['snapshots']} snapshots from {len(prof['workers'])} worker(s), {prof['verifications']} verifications"
+          f" ({prof['profiled']} profiled){over}")
+    print(f"{'name':<70} {'ncall':>9} {'tsub':>10} {'ttot':>10} {'tavg':>10}")
+    for r in prof["rows"][:args.top]:
+        name = f"{r['module']}:{r['line']} {r['name']}"
+        print(f"{name[-70:]:<70} {r['ncall']:>9} {r['tsub']:>10.6f} {r['ttot']:>10.6f} {r['tavg']:>10.6f}")
+    for f in prof["red_flags"]:
+        print(f"[{f['kind']}] {f['label']}: {f['figure']}\n    -> {f['advice']}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     import rolloutctl
 
@@ -398,6 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="start it and return")
     _add_wait(p)
     _add_gates(p)
+    p = sub.add_parser("profile", help="profile a running job's verification for N seconds (it keeps running); "
+                                       "print the profile and its red flags")
+    _add_connection(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--scope", choices=["verify", "worker"], default="verify")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    p.add_argument("--off", action="store_true", help="switch profiling off")
+    p.add_argument("--show", action="store_true", help="print the newest profile without switching anything")
+    p.add_argument("--no-wait", action="store_true", help="switch it on and return")
+    p.add_argument("--top", type=int, default=20)
 
     p = sub.add_parser("run", help="submit, wait, export and gate in one command")
     _add_connection(p)
@@ -449,6 +494,8 @@ def main(argv=None) -> int:
             if code != EXIT_OK or args.no_wait:
                 return code
             return do_gate(job, args.gates) if args.gates else EXIT_OK
+        if args.command == "profile":
+            return do_profile(client, args)
         if args.command == "run":
             job = do_submit(client, args)
             print(job["id"], flush=True)

@@ -15,7 +15,7 @@ fi
 fingerprint() { (cat package.json; cat package-lock.json 2>/dev/null || true) | sha256sum | cut -c1-16; }
 want=$(fingerprint)
 stamp=node_modules/.frontend-stamp
-if [ ! -f node_modules/uplot/dist/uPlot.iife.min.js ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+if [ ! -f node_modules/uplot/dist/uPlot.iife.min.js ] || [ ! -f node_modules/d3-flame-graph/dist/d3-flamegraph.min.js ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "npm install (dashboard front-end packages)"
   if [ -f package-lock.json ]; then
     npm ci --no-audit --no-fund --loglevel=error
@@ -30,3 +30,10 @@ for f in uPlot.iife.min.js uPlot.min.css; do
   cmp -s "node_modules/uplot/dist/$f" "static/vendor/uplot/$f" || cp "node_modules/uplot/dist/$f" "static/vendor/uplot/$f"
 done
 cp node_modules/uplot/LICENSE static/vendor/uplot/LICENSE 2>/dev/null || true
+
+# the profiling panel's flame graph (self-contained UMD build: window.flamegraph)
+mkdir -p static/vendor/d3-flame-graph
+for f in d3-flamegraph.min.js d3-flamegraph.css; do
+  cmp -s "node_modules/d3-flame-graph/dist/$f" "static/vendor/d3-flame-graph/$f" || cp "node_modules/d3-flame-graph/dist/$f" "static/vendor/d3-flame-graph/$f"
+done
+cp node_modules/d3-flame-graph/LICENSE static/vendor/d3-flame-graph/LICENSE 2>/dev/null || true

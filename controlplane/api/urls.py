@@ -26,6 +26,7 @@ urlpatterns = [
     path("", include(router.urls)),
     # other apps' API routes mount here, before the catch-all
     path("", include("controlplane.diagnostics.urls")),
+    path("", include("controlplane.profiling.urls")),
     # [\s\S]: a path parameter may carry a newline, which "." would not match
     re_path(r"^[\s\S]*/$", views.ApiNotFound.as_view(), name="not-found"),
 ]

@@ -24,6 +24,7 @@ from django.utils import timezone
 from controlplane.datasets.services import iter_rows
 from controlplane.endpoints.services import endpoint_spec
 from controlplane.jobs.models import JobMetricSample, JobState, Rollout
+from controlplane.profiling.services import profile_top
 from workers.diagnosis import Diagnosis, build_evidence, diagnose
 from workers.engine.types import TIMING_FIELDS, CollectionSpec
 from workers.sweep import run_sweep as engine_sweep
@@ -100,6 +101,7 @@ def diagnose_job(job, ticks: list[dict] | None = None, samples: int = MAX_SAMPLE
     sweep = latest_sweep(job)
     ev = build_evidence(ticks, config=job_config(job), rollout_stats=stats,
                         sweep=sweep.as_result_dict() if sweep else None)
+    ev.profile_top = profile_top(job)  # the profiling app's answer, once a snapshot exists
     return diagnose(ev)
 
 

@@ -30,6 +30,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.endpoints.services import endpoint_spec
+from controlplane.profiling.services import profile_run
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
 from workers.instrument import Instrumentation, instrument_run
@@ -145,7 +146,8 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             spec = build_spec(job, worker_name)
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
             control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
-            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(spec, sink, control, instrumentation(job))))
+            summary = asyncio.run(run_collection(spec, tasks, *profile_run(  # profiling switched on / off while it runs
+                job, *instrument_run(spec, sink, control, instrumentation(job)), db=db, worker_name=worker_name)))
         finally:
             db.close()
         logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",

@@ -272,6 +272,9 @@ def diagnose(ev: Evidence) -> Diagnosis:
     r.note("verify_pool_utilization", ev.verify_pool_utilization, "busy verification processes / pool size")
     r.note("verify_queue_mean", ev.verify_queue_mean, "verifications waiting for the pool or a slot (mean)")
     r.note("verify_cache_hit_rate", ev.verify_cache_hit_rate, "verifications answered by the cache")
+    if ev.profile_top:
+        r.note("profile_top_function", ev.profile_top["function"],
+               f"the function holding most verification time in the job's profile ({ev.profile_top['figure']})")
     r.note("wall_ms_mean", ev.wall_ms, "mean slot time per rollout (ms)")
     r.note("vllm_running_mean", ev.vllm_running_mean, "mean running requests in vLLM")
     r.note("vllm_waiting_mean", ev.vllm_waiting_mean, "mean waiting requests in vLLM")
@@ -429,6 +432,15 @@ def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: floa
         if ev.cpu_cores:
             recs.append(Recommendation(f"Give verification more CPU (verify_processes, more workers); this host has {ev.cpu_cores} cores",
                                        "CPU-bound verifiers run in a process pool bounded by the cores.", "verify_processes", None))
+        top = ev.profile_top
+        if top:
+            recs.insert(0, Recommendation(f"Fix {top['function']} ({top['module']}:{top['line']}) first: {top['figure']}",
+                                          f"The job's profile names it{' (' + top['flag'] + ')' if top.get('flag') else ''}: "
+                                          f"{top['advice']}.", None, None))
+        else:
+            recs.append(Recommendation("Profile verification for 60 s (the job keeps running) and fix the function with the "
+                                       "highest ttot", "Look for high tsub, high tavg x ncall, synchronous external calls.",
+                                       "profile_seconds", 60))
         recs.append(Recommendation("Do not raise parallelism: the model is not the limit",
                                    "More requests in flight only wait for the verifier.", None, None))
     elif verdict == NETWORK:

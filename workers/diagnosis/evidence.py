@@ -111,6 +111,7 @@ class Evidence:
     replica_errors: dict = field(default_factory=dict)  # replica URL -> connection errors / timeouts / failed scrapes
     replica_error_top: str | None = None  # the replica with most of them
     replica_error_top_share: float | None = None
+    profile_top: dict | None = None  # the job's profile: {function, module, line, share, flag, advice}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
+from workers.profiling.core import unwrap_result, verify_call
 from workers.verifiers import verify_row
 
 
@@ -169,7 +170,7 @@ class VerifyBatcher:
             if not batch:
                 return
             try:
-                cfut = executor.submit(_verify_batch, [args for args, _ in batch])
+                cfut = executor.submit(*verify_call(_verify_batch, [args for args, _ in batch]))  # profiling, if on
             except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
                 if isinstance(exc, BrokenProcessPool):
                     self.pool.discard_broken(executor)
@@ -187,7 +188,7 @@ class VerifyBatcher:
         exc = asyncio.CancelledError() if afut.cancelled() else afut.exception()
         if isinstance(exc, BrokenProcessPool):
             self.pool.discard_broken(executor)
-        results = afut.result() if exc is None else None
+        results = unwrap_result(afut.result()) if exc is None else None
         for i, (_, fut) in enumerate(batch):
             if fut.done():
                 continue

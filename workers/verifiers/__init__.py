@@ -11,3 +11,16 @@ from . import math as _math  # noqa: F401  (registers math)
 from . import mcqa as _mcqa  # noqa: F401  (registers mcqa)
 from . import codeexec as _codeexec  # noqa: F401  (registers code)
 from . import judge as _judge  # noqa: F401  (registers judge)
+
+
+def _load_plugins() -> None:
+    """VERIFIER_PLUGINS=pkg.mod,other.mod: modules that register more verifiers (imported here, so the
+    engine's verifier processes have them too)."""
+    import importlib
+    import os
+
+    for name in filter(None, (m.strip() for m in os.environ.get("VERIFIER_PLUGINS", "").split(","))):
+        importlib.import_module(name)
+
+
+_load_plugins()

@@ -1,0 +1,16 @@
+from django.apps import AppConfig
+
+
+class ProfilingConfig(AppConfig):
+    name = "controlplane.profiling"
+    label = "profiling"
+    verbose_name = "Profiling"
+
+    def ready(self):
+        try:
+            from controlplane.dashboard.panels import register_panel
+        except Exception:  # the dashboard app is optional for this one
+            return
+        from .views import panel_context
+
+        register_panel("profiling/panel.html", name="profiling", context=panel_context, after="timing", live=True)

@@ -1,0 +1,567 @@
+"""Profiling of jobs: switching it on and off, storing the workers' snapshots, merging them into one job
+profile, comparing two profiles, computing the profiling guide's red flags, and exporting pstats /
+callgrind files. Views, the management command and the worker hook call these."""
+from __future__ import annotations
+
+import io
+import logging
+import marshal
+import os
+import re
+import socket
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from controlplane.jobs.models import CollectionJob, JobState
+from workers.engine.verify_pool import SHARED_VERIFY_POOL
+from workers.profiling.control import ProfilingControl, ProfilingSink
+from workers.profiling.core import FuncRow, ProfileConfig, merge_rows
+from workers.profiling.nemo_gym import StatsPuller
+
+from .models import ProfileRow, ProfileSession, ProfileSnapshot
+
+logger = logging.getLogger(__name__)
+
+MAX_SECONDS = 24 * 3600
+# frames of the product itself (the pool's batch loop, the profiler, the verifier registry): never flagged
+HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/verifiers/base.py", "concurrent/futures/",
+           "multiprocessing/", "threading.py")
+IDLE = {("select", "epoll.poll"), ("select", "poll"), ("_thread", "lock.acquire"), ("selectors", "select")}
+EXTERNAL_MODULE = re.compile(r"(^|[/\\._])(socket|ssl|subprocess|requests|urllib3?|http[/\\.]client|httpx|aiohttp)"
+                             r"([/\\._]|$)")
+
+
+class ProfilingError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------------- on / off
+def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, window_s=5.0, stats_urls=None,
+          user=None) -> ProfileSession:
+    """Switch profiling on for a job (queued or running); any session still on for it ends first."""
+    try:
+        ProfileConfig(session="check", scope=scope, clock=clock)
+    except ValueError as exc:
+        raise ProfilingError(str(exc)) from None
+    if seconds is not None:
+        seconds = float(seconds)
+        if not 1 <= seconds <= MAX_SECONDS:
+            raise ProfilingError(f"seconds must be between 1 and {MAX_SECONDS}")
+    if not 0.1 <= float(budget_pct) <= 100:
+        raise ProfilingError("budget_pct must be between 0.1 and 100")
+    if not 1 <= float(window_s) <= 600:
+        raise ProfilingError("window_s must be between 1 and 600")
+    urls = [u if isinstance(u, dict) else {"url": u} for u in (stats_urls or [])]
+    for u in urls:  # NeMo Gym servers: {"url": "http://host:port/stats", "log": "<results dir>/<server>.log"}
+        if not isinstance(u.get("url"), str) or not re.match(r"^https?://", u["url"]):
+            raise ProfilingError(f"stats_urls: {u.get('url')!r} is not an http(s) URL")
+    if job.state not in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED):
+        raise ProfilingError(f"job {job.pk} is {job.state}: profiling applies to a queued, running or paused job")
+    now = timezone.now()
+    with transaction.atomic():
+        stop(job)
+        return ProfileSession.objects.create(
+            job=job, requested_by=user if getattr(user, "is_authenticated", False) else None, scope=scope,
+            clock=clock, budget_pct=float(budget_pct), window_s=float(window_s), seconds=seconds, stats_urls=urls,
+            started_at=now, until=now + timedelta(seconds=seconds) if seconds else None)
+
+
+def start_with_job(job) -> ProfileSession | None:
+    """A job created with profiling_enabled: its first run opens a session that lasts until it is switched off
+    (once per job: a resumed job or its other chunks find it)."""
+    with transaction.atomic():
+        CollectionJob.objects.select_for_update().filter(pk=job.pk).first()  # one chunk at a time decides
+        if ProfileSession.objects.filter(job=job).exists():
+            return None
+        return ProfileSession.objects.create(job=job, requested_by=job.owner)
+
+
+def stop(job) -> int:
+    """Switch profiling off for a job (the workers send their last window). Returns the sessions ended."""
+    now = timezone.now()
+    return (ProfileSession.objects.filter(job=job, stopped_at__isnull=True)
+            .filter(models_q_active(now)).update(stopped_at=now))
+
+
+def models_q_active(now):
+    return Q(until__isnull=True) | Q(until__gt=now)
+
+
+def active_session(job_id) -> ProfileSession | None:
+    now = timezone.now()
+    return (ProfileSession.objects.filter(job_id=job_id, stopped_at__isnull=True).filter(models_q_active(now))
+            .order_by("-started_at", "-pk").first())
+
+
+def config_for(session: ProfileSession | None) -> ProfileConfig | None:
+    if session is None:
+        return None
+    return ProfileConfig(session=session.key, scope=session.scope, clock=session.clock,
+                         budget_pct=session.budget_pct, window_s=session.window_s)
+
+
+# ------------------------------------------------------------------------------ worker hook
+def profile_run(job, sink, control, *, db, worker_name=""):
+    """Wrap a run's (sink, control) so that profiling follows the job's sessions while it runs.
+    Never raises: a problem here leaves the run as it was."""
+    try:
+        job_id = job.pk
+        if getattr(job, "profiling_enabled", False):
+            start_with_job(job)
+        state = {"session": None}
+        host = socket.gethostname()
+
+        def read():
+            s = active_session(job_id)
+            state["session"] = s
+            return s
+
+        def source():
+            return config_for(db.call(read))
+
+        def emit(snaps):
+            db.call(record, job_id, snaps)
+
+        pullers = {}
+
+        def pull_stats():
+            s = state["session"]
+            if s is None or not s.stats_urls:
+                return []
+            p = pullers.get(s.pk)
+            if p is None:
+                pullers.clear()
+                p = pullers[s.pk] = StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s)
+            return p.poll()
+
+        pctl = ProfilingControl(control, source, emit, worker=worker_name or host, extra_sources=[pull_stats],
+                                pool=lambda: SHARED_VERIFY_POOL._executor)  # the running executor, never a new one
+        return ProfilingSink(sink, pctl), pctl
+    except Exception:  # noqa: BLE001
+        logger.exception("job %s: could not attach profiling; running without", job.pk)
+        return sink, control
+
+
+def _session_from_key(key: str):
+    m = re.match(r"^job(\d+)-p(\d+)$", key or "")
+    return ProfileSession.objects.filter(pk=int(m.group(2)), job_id=int(m.group(1))).first() if m else None
+
+
+def _dt(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, tz=dt_timezone.utc)
+
+
+def record(job_id, snaps) -> list[ProfileSnapshot]:
+    """Store engine ProfileSnapshot events (one window of one worker each) with their rows."""
+    out = []
+    for snap in snaps:
+        session = _session_from_key(snap.session)
+        if session is None or session.job_id != job_id:
+            logger.warning("job %s: profiling snapshot for unknown session %s dropped", job_id, snap.session)
+            continue
+        with transaction.atomic():
+            obj = ProfileSnapshot.objects.create(
+                session=session, job_id=job_id, worker=str(snap.worker)[:200], source=snap.source[:40],
+                window_start=_dt(snap.window_start), window_end=_dt(snap.window_end),
+                verifications=int(snap.verifications), profiled=int(snap.profiled), overhead_pct=snap.overhead_pct,
+                total_s=sum(max(0.0, r.tsub) for r in snap.rows), final=bool(snap.final))
+            ProfileRow.objects.bulk_create([
+                ProfileRow(snapshot=obj, module=r.module[:500], line=int(r.line), name=r.name[:300], ncall=r.ncall,
+                           tsub=r.tsub, ttot=r.ttot, tavg=r.tavg, children=r.children) for r in snap.rows],
+                batch_size=500)
+        out.append(obj)
+    return out
+
+
+# ----------------------------------------------------------------------------------- merging
+def rows_of(snapshots) -> list[FuncRow]:
+    """Several workers' and windows' snapshots merged into one profile (sums per function)."""
+    merged: dict = {}
+    ids = [s.pk for s in snapshots]
+    for r in ProfileRow.objects.filter(snapshot_id__in=ids).iterator(chunk_size=2000):
+        merge_rows(merged, [FuncRow(r.module, r.line, r.name, r.ncall, r.tsub, r.ttot, r.tavg, r.children)])
+    return sorted(merged.values(), key=lambda r: -r.ttot)
+
+
+def job_profile(job, session=None) -> dict:
+    """The job's profile: every snapshot of `session` (default: the newest session with snapshots)."""
+    sessions = ProfileSession.objects.filter(job=job)
+    if session is None:
+        session = sessions.filter(snapshots__isnull=False).distinct().order_by("-started_at", "-pk").first()
+    snaps = list(ProfileSnapshot.objects.filter(session=session)) if session else []
+    rows = rows_of(snaps)
+    verifications = sum(s.verifications for s in snaps)
+    profiled = sum(s.profiled for s in snaps)
+    over = [(s.verifications, s.overhead_pct) for s in snaps if s.overhead_pct is not None and s.verifications]
+    overhead = (sum(v * o for v, o in over) / sum(v for v, _ in over)) if over else None
+    total = sum(max(0.0, r.tsub) for r in rows)
+    latest = snaps[0] if snaps else None
+    current = active_session(job.pk)
+    return {
+        "job": job.pk,
+        "session": _session_payload(session),
+        "active": _session_payload(current),
+        "snapshots": len(snaps),
+        "workers": sorted({s.worker for s in snaps}),
+        "window": {"start": min(s.window_start for s in snaps).isoformat(), "end": latest.window_end.isoformat()}
+        if snaps else None,
+        "latest_window_end": latest.window_end.isoformat() if latest else None,
+        "verifications": verifications,
+        "profiled": profiled,
+        "overhead_pct": None if overhead is None else round(overhead, 3),
+        "total_s": total,
+        "rows": [row_payload(r, total) for r in rows],
+        "red_flags": red_flags(rows, verifications=verifications, job=job),
+    }
+
+
+def _session_payload(s):
+    if s is None:
+        return None
+    return {"id": s.pk, "scope": s.scope, "clock": s.clock, "budget_pct": s.budget_pct, "seconds": s.seconds,
+            "window_s": s.window_s, "started_at": s.started_at.isoformat(),
+            "until": s.until.isoformat() if s.until else None,
+            "stopped_at": s.stopped_at.isoformat() if s.stopped_at else None, "active": s.active,
+            "stats_urls": s.stats_urls}
+
+
+def short_module(module: str) -> str:
+    m = module.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in m:
+            return m.split(marker, 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + "/"
+    if m.startswith(root):
+        return m[len(root):]
+    if "/lib/python" in m:
+        return m.split("/lib/python", 1)[1].split("/", 1)[-1]
+    return m
+
+
+def row_payload(r: FuncRow, total: float) -> dict:
+    return {"module": short_module(r.module), "line": r.line, "name": r.name, "ncall": round(r.ncall),
+            "tsub": r.tsub, "ttot": r.ttot, "tavg": r.tavg, "share": (r.ttot / total) if total else 0.0,
+            "self_share": (r.tsub / total) if total else 0.0}
+
+
+# ---------------------------------------------------------------------------------- red flags
+def _is_harness(r) -> bool:
+    m = r.module.replace("\\", "/")
+    return any(h in m for h in HARNESS)
+
+
+def _is_idle(r) -> bool:
+    return (r.module, r.name) in IDLE or r.name.endswith(("epoll.poll", "lock.acquire", "Condition.wait"))
+
+
+def _is_external(r) -> bool:
+    if r.module == "time" and r.name in ("sleep", "time.sleep"):
+        return True
+    return (bool(EXTERNAL_MODULE.search(r.module)) or bool(re.match(r"^_?socket\.|^_?ssl\.", r.name))
+            or bool(re.search(r"of '_?(socket|ssl)\.", r.name)))  # builtin methods: <method 'recv' of '_socket.socket' objects>
+
+
+def _label(r) -> str:
+    return f"{r.name} ({short_module(r.module)}:{r.line})"
+
+
+def _drill(r, by_key, seen=None):
+    """Follow the child holding most of the time while it holds at least half of its parent's."""
+    seen = seen or set()
+    cur = r
+    while True:
+        seen.add(cur.key)
+        kids = [(c[4], tuple(c[:3])) for c in cur.children if tuple(c[:3]) in by_key and tuple(c[:3]) not in seen]
+        if not kids:
+            return cur
+        t, k = max(kids)
+        if t < 0.5 * max(cur.ttot - cur.tsub, 1e-12) or t < 0.5 * cur.ttot * 0.5:
+            return cur
+        cur = by_key[k]
+
+
+ADVICE = {
+    "over_half": "optimize this function first: a better algorithm or data structure, caching repeated work, "
+                 "or compiled code",
+    "nested": "the time is in nested calls: optimize the child that holds it; run independent nested calls in "
+              "parallel (asyncio.gather, a process pool or Ray)",
+    "self_time": "expensive work in the function itself: a better data structure (a set or dict instead of "
+                 "scanning a list), a faster algorithm, or compiled code (Cython, Rust, numpy)",
+    "hot_repeated": "called many times at a high average cost: cache repeated calculations "
+                    "(functools.lru_cache) or vectorize",
+    "growth": "the cost per call grows with the data: index it (dict / set) or use a better algorithm",
+    "sync_external": "a blocking external call on the verification hot path: make it async (asyncio.gather) or "
+                     "move it off the path (batch it, a process pool or Ray)",
+}
+
+
+def red_flags(rows, *, verifications=0, job=None, over_half=0.5, nested=0.3, self_time=0.2, hot=0.1,
+              external=0.01) -> list[dict]:
+    """The profiling guide's red flags, each with the function, the figure and the advice."""
+    total = sum(max(0.0, r.tsub) for r in rows)
+    if total <= 0:
+        return []
+    by_key = {r.key: r for r in rows}
+    cand = [r for r in rows if not _is_harness(r) and not _is_idle(r)]
+    flags = []
+
+    def add(kind, r, figure, value, **extra):
+        flags.append({"kind": kind, "function": r.name, "module": short_module(r.module), "line": r.line,
+                      "label": _label(r), "figure": figure, "value": value, "advice": ADVICE[kind], **extra})
+
+    # 1. one function over half of the total (the deepest such function: wrappers always are)
+    over = [r for r in cand if r.ttot / total > over_half]
+    over_keys = {r.key for r in over}
+    for r in over:
+        if not any(tuple(c[:3]) in over_keys for c in r.children):
+            add("over_half", r, f"ttot {r.ttot:.3f}s = {100 * r.ttot / total:.0f}% of total", r.ttot / total)
+    # 2. time in nested calls: drill down to the child holding it
+    reported = set()
+    for r in sorted(cand, key=lambda r: -(r.ttot - r.tsub)):
+        if (r.ttot - r.tsub) / total < nested or r.tsub > 0.2 * r.ttot:
+            continue
+        leaf = _drill(r, by_key)
+        if leaf.key == r.key or leaf.key in reported:
+            continue
+        reported.add(leaf.key)
+        add("nested", r, f"ttot - tsub = {r.ttot - r.tsub:.3f}s ({100 * (r.ttot - r.tsub) / total:.0f}% of total) "
+            f"in nested calls; held by {leaf.name} ({short_module(leaf.module)}:{leaf.line}, ttot {leaf.ttot:.3f}s)",
+            (r.ttot - r.tsub) / total, drill_to=_label(leaf), drill_function=leaf.name)
+        if len(reported) >= 3:
+            break
+    # 3. high self time
+    for r in cand:
+        if r.tsub / total > self_time:
+            add("self_time", r, f"tsub {r.tsub:.3f}s = {100 * r.tsub / total:.0f}% of total "
+                f"(tavg {1000 * r.tavg:.3f} ms x {round(r.ncall)} calls)", r.tsub / total)
+    # 4. high tavg x ncall: many calls (more than one per verification) that together cost a lot
+    min_calls = max(verifications, 1) if verifications else 1000
+    for r in cand:
+        if r.ttot / total >= hot and r.ncall > min_calls and r.tavg > 0:
+            add("hot_repeated", r, f"tavg {1000 * r.tavg:.3f} ms x {round(r.ncall)} calls = {r.ttot:.3f}s "
+                f"({100 * r.ttot / total:.0f}% of total; {r.ncall / max(verifications, 1):.1f} calls per "
+                f"verification)", r.ttot / total)
+    # 5. synchronous external calls on the hot path
+    for r in rows:
+        if _is_external(r) and r.ttot / total >= external and not _is_harness(r):
+            add("sync_external", r, f"ttot {r.ttot:.3f}s = {100 * r.ttot / total:.1f}% of total, "
+                f"{round(r.ncall)} calls", r.ttot / total)
+    # 6. tavg growing with the dataset size, across this job and earlier profiled jobs of the same verifier
+    if job is not None:
+        try:
+            flags.extend(growth_flags(job, rows, total))
+        except Exception:  # noqa: BLE001
+            logger.exception("job %s: growth flags failed", getattr(job, "pk", None))
+    order = {k: i for i, k in enumerate(ADVICE)}
+    flags.sort(key=lambda f: (order[f["kind"]], -f["value"]))
+    return flags
+
+
+def growth_flags(job, rows, total, min_size_ratio=2.0, min_tavg_ratio=1.5, share=0.05) -> list[dict]:
+    others = (CollectionJob.objects.filter(verifier=job.verifier, profile_snapshots__isnull=False)
+              .exclude(pk=job.pk).distinct().order_by("-pk")[:10])
+    size = job.total_rollouts or 0
+    mine = {(short_module(r.module), r.name): r for r in rows if not _is_harness(r) and r.ttot / total >= share}
+    flags = []
+    for other in others:
+        osize = other.total_rollouts or 0
+        if not osize or not size or size / osize < min_size_ratio:
+            continue
+        snaps = list(ProfileSnapshot.objects.filter(job=other))
+        theirs = {(short_module(r.module), r.name): r for r in rows_of(snaps)}
+        for k, r in mine.items():
+            o = theirs.get(k)
+            if o is None or o.tavg <= 0 or r.tavg / o.tavg < min_tavg_ratio:
+                continue
+            flags.append({"kind": "growth", "function": r.name, "module": short_module(r.module), "line": r.line,
+                          "label": _label(r), "value": r.tavg / o.tavg, "advice": ADVICE["growth"],
+                          "figure": f"tavg {1000 * o.tavg:.3f} ms at {osize} rollouts (job {other.pk}) -> "
+                                    f"{1000 * r.tavg:.3f} ms at {size} rollouts (x{r.tavg / o.tavg:.1f} for "
+                                    f"x{size / osize:.1f} data)", "other_job": other.pk})
+        if flags:
+            break
+    return flags
+
+
+# ----------------------------------------------------------------------------------- compare
+def _match(a_rows, b_rows):
+    a = {(short_module(r.module), r.name): r for r in a_rows}
+    b = {(short_module(r.module), r.name): r for r in b_rows}
+    pairs = [(k, a.get(k), b.get(k)) for k in dict.fromkeys(list(a) + list(b))]
+    # a function that moved to another module (a fixed copy of the verifier) matches by name when unique
+    only_a = [(k, x) for k, x, y in pairs if y is None]
+    only_b = [(k, y) for k, x, y in pairs if x is None]
+    names_a = {}
+    for k, x in only_a:
+        names_a.setdefault(x.name, []).append(k)
+    names_b = {}
+    for k, y in only_b:
+        names_b.setdefault(y.name, []).append(k)
+    merged = {}
+    for name, ka in names_a.items():
+        kb = names_b.get(name)
+        if len(ka) == 1 and kb and len(kb) == 1 and not _is_harness(a[ka[0]]):
+            merged[ka[0]] = kb[0]
+    out = []
+    used_b = set(merged.values())
+    for k, x, y in pairs:
+        if x is None and k in used_b:
+            continue
+        if y is None and k in merged:
+            y = b[merged[k]]
+        out.append((x, y))
+    return out
+
+
+def compare(a_rows, b_rows, *, a_total=None, b_total=None, tolerance=0.1) -> list[dict]:
+    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone."""
+    a_total = a_total or sum(max(0.0, r.tsub) for r in a_rows) or 1.0
+    b_total = b_total or sum(max(0.0, r.tsub) for r in b_rows) or 1.0
+    out = []
+    for x, y in _match(a_rows, b_rows):
+        r = y or x
+        if x is None:
+            verdict = "new"
+        elif y is None:
+            verdict = "gone"
+        elif y.tavg < x.tavg * (1 - tolerance):
+            verdict = "faster"
+        elif y.tavg > x.tavg * (1 + tolerance):
+            verdict = "slower"
+        else:
+            verdict = "same"
+        out.append({
+            "name": r.name, "module": short_module(r.module), "line": r.line, "verdict": verdict,
+            "a": None if x is None else {"ncall": round(x.ncall), "tsub": x.tsub, "ttot": x.ttot, "tavg": x.tavg,
+                                         "share": x.ttot / a_total},
+            "b": None if y is None else {"ncall": round(y.ncall), "tsub": y.tsub, "ttot": y.ttot, "tavg": y.tavg,
+                                         "share": y.ttot / b_total},
+            "d_ttot": (y.ttot if y else 0.0) - (x.ttot if x else 0.0),
+            "d_tavg": (y.tavg if y else 0.0) - (x.tavg if x else 0.0),
+            "d_ncall": round((y.ncall if y else 0) - (x.ncall if x else 0)),
+        })
+    out.sort(key=lambda d: -max(abs(d["d_ttot"]), (d["a"] or {}).get("ttot", 0), (d["b"] or {}).get("ttot", 0)))
+    return out
+
+
+def job_throughput(job) -> float | None:
+    """Rollouts per second over the job's run (completed jobs; running ones up to now)."""
+    if job.started_at is None:
+        return None
+    end = job.finished_at or timezone.now()
+    dt = (end - job.started_at).total_seconds()
+    return (job.completed_count + job.failed_count) / dt if dt > 0 else None
+
+
+def compare_jobs(a_job, b_job) -> dict:
+    a, b = job_profile(a_job), job_profile(b_job)
+    a_rows = rows_of(list(ProfileSnapshot.objects.filter(job=a_job)))
+    b_rows = rows_of(list(ProfileSnapshot.objects.filter(job=b_job)))
+    ta, tb = job_throughput(a_job), job_throughput(b_job)
+    return {
+        "a": {"job": a_job.pk, "verifier": a_job.verifier, "throughput": ta, "total_s": a["total_s"],
+              "verifications": a["verifications"], "overhead_pct": a["overhead_pct"]},
+        "b": {"job": b_job.pk, "verifier": b_job.verifier, "throughput": tb, "total_s": b["total_s"],
+              "verifications": b["verifications"], "overhead_pct": b["overhead_pct"]},
+        "throughput_ratio": (tb / ta) if ta and tb else None,
+        "functions": compare(a_rows, b_rows),
+    }
+
+
+# ----------------------------------------------------------------------------------- exports
+def to_pstats(rows) -> bytes:
+    """The profile as a marshalled pstats dict (pstats.Stats(path) loads it; snakeviz opens it)."""
+    stats = {}
+    by_key = {r.key: r for r in rows}
+    callers: dict = {r.key: {} for r in rows}
+    for r in rows:
+        for c in r.children:
+            ck = (c[0], int(c[1]), c[2])
+            child = by_key.get(ck)
+            n = int(round(c[3]))
+            tt = child.tsub * (c[4] / child.ttot) if child and child.ttot else 0.0
+            callers.setdefault(ck, {})[r.key] = (n, n, tt, float(c[4]))
+    for r in rows:
+        n = int(round(r.ncall))
+        stats[(r.module, int(r.line), r.name)] = (n, n, float(r.tsub), float(r.ttot), callers.get(r.key, {}))
+    return marshal.dumps(stats)
+
+
+def to_callgrind(rows, *, title="rollout control plane profile") -> str:
+    """The profile in callgrind format for KCachegrind / QCachegrind (costs in microseconds)."""
+    out = io.StringIO()
+    w = out.write
+    total = sum(max(0.0, r.tsub) for r in rows)
+    w("# callgrind format\nversion: 1\ncreator: rollout-control-plane\n")
+    w(f"cmd: {title}\npositions: line\nevents: Microseconds\nsummary: {int(total * 1e6)}\n\n")
+    by_key = {r.key: r for r in rows}
+    for r in rows:
+        w(f"fl={r.module}\nfn={r.name}\n{int(r.line)} {int(max(0.0, r.tsub) * 1e6)}\n")
+        for c in r.children:
+            child = by_key.get((c[0], int(c[1]), c[2]))
+            w(f"cfl={c[0]}\ncfn={c[2]}\ncalls={max(1, int(round(c[3])))} {int(c[1])}\n")
+            w(f"{int(r.line)} {int(max(0.0, c[4]) * 1e6)}\n")
+            _ = child
+        w("\n")
+    return out.getvalue()
+
+
+def call_tree(rows, max_depth=12, min_share=0.005) -> dict:
+    """A nested {name, value, children} tree (value = inclusive µs) from the roots (functions nobody calls)."""
+    by_key = {r.key: r for r in rows}
+    called = {tuple(c[:3]) for r in rows for c in r.children}
+    total = sum(max(0.0, r.tsub) for r in rows) or 1.0
+    roots = [r for r in rows if r.key not in called] or sorted(rows, key=lambda r: -r.ttot)[:1]
+
+    def node(r, t, depth, path):
+        kids = []
+        if depth < max_depth:
+            for c in sorted(r.children, key=lambda c: -c[4]):
+                ck = tuple(c[:3])
+                if ck in path or ck not in by_key or c[4] / total < min_share:
+                    continue
+                kids.append(node(by_key[ck], c[4], depth + 1, path | {ck}))
+        return {"name": f"{r.name} ({short_module(r.module)}:{r.line})", "value": int(t * 1e6), "children": kids}
+
+    return {"name": "all", "value": int(total * 1e6),
+            "children": [node(r, r.ttot, 1, {r.key}) for r in sorted(roots, key=lambda r: -r.ttot)
+                         if r.ttot / total >= min_share]}
+
+
+# ------------------------------------------------------------------------------------ diagnosis
+def profile_top(job) -> dict | None:
+    """The function the diagnosis names for a verification-bound job: the first red flag of the newest
+    profile (or its costliest function), or None before any snapshot. Never raises."""
+    try:
+        session = (ProfileSession.objects.filter(job=job, snapshots__isnull=False).distinct()
+                   .order_by("-started_at", "-pk").first())
+        if session is None:
+            return None
+        snaps = list(ProfileSnapshot.objects.filter(session=session))
+        rows = rows_of(snaps)
+        total = sum(max(0.0, r.tsub) for r in rows)
+        if not rows or total <= 0:
+            return None
+        flags = red_flags(rows, verifications=sum(s.verifications for s in snaps))
+        for kind in ("over_half", "self_time", "hot_repeated", "sync_external", "nested"):
+            f = next((f for f in flags if f["kind"] == kind), None)
+            if f is not None:
+                if kind == "nested":  # name the child that holds the time
+                    leaf = next((r for r in rows if r.name == f["drill_function"]), None)
+                    if leaf is not None:
+                        return {"function": leaf.name, "module": short_module(leaf.module), "line": leaf.line,
+                                "figure": f["figure"], "flag": kind, "advice": f["advice"], "session": session.pk}
+                return {"function": f["function"], "module": f["module"], "line": f["line"], "figure": f["figure"],
+                        "flag": kind, "advice": f["advice"], "session": session.pk}
+        r = max((r for r in rows if not _is_harness(r) and not _is_idle(r)), key=lambda r: r.tsub, default=None)
+        if r is None:
+            return None
+        return {"function": r.name, "module": short_module(r.module), "line": r.line, "flag": None,
+                "figure": f"tsub {r.tsub:.3f}s = {100 * r.tsub / total:.0f}% of profiled time",
+                "advice": "the costliest function by self time", "session": session.pk}
+    except Exception:  # noqa: BLE001  (the diagnosis goes on without it)
+        logger.exception("job %s: profile summary for the diagnosis failed", getattr(job, "pk", None))
+        return None

@@ -1,0 +1,156 @@
+"""Engine side of profiling: yappi in the verifier pool, sampled within a budget, switched on and off by the
+control while a run goes on, snapshots as events; NeMo Gym's profile log parsed."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from workers.engine.materialize import materialize
+from workers.engine.runner import run_collection
+from workers.engine.verify_pool import _verify_batch
+from workers.profiling import core
+from workers.profiling.control import ProfilingControl, ProfilingSink
+from workers.profiling.core import FuncRow, ProfileConfig, _profiled_batch, merge_rows
+from workers.profiling.nemo_gym import parse_log
+
+from tests.workers.test_engine import ListSink, math_rows, spec_for
+
+
+def _items(n):
+    return [("math", {"expected_answer": str(i)}, f"so \\boxed{{{i}}}", {}, False) for i in range(n)]
+
+
+def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns():
+    core._STATE.__init__()
+    cfg = ProfileConfig(session="t-all", scope="worker").pool_args()
+    mark, out, first = _profiled_batch(_verify_batch, _items(20), cfg)  # rows come back at most once a second
+    assert mark == core._MARK and [o[1].reward for o in out] == [1.0] * 20
+    # the session ends: the last rows come back with the next batch
+    mark, out, last = _profiled_batch(_verify_batch, _items(1), None)
+    payloads = [p for p in (first, last) if p]
+    assert last["session"] == "t-all" and last["final"]
+    assert sum(p["items"] for p in payloads) == 20 == sum(p["profiled"] for p in payloads)
+    rows = merge_rows({}, [FuncRow.from_list(r) for p in payloads for r in p["rows"]])
+    verify = next(r for r in rows.values() if r.name == "MathVerifier.verify")
+    assert verify.ncall == 20 and verify.ttot >= verify.tsub > 0 and verify.tavg == pytest.approx(verify.ttot / 20)
+    assert verify.module.endswith("workers/verifiers/math.py") and verify.line > 0
+    assert verify.children and all(len(c) == 5 for c in verify.children)
+
+
+def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
+    core._STATE.__init__()
+    cfg = ProfileConfig(session="t-sample", budget_pct=2.0).pool_args()
+    payloads = [_profiled_batch(_verify_batch, _items(30), cfg)[2] for _ in range(40)]
+    st = core._STATE
+    u, p = st.per_item()
+    assert p > u > 0  # a profiled verification is slower: that is what the budget limits
+    # the extra time spent profiling (slower calls, reading the stats) stays near 2 % of the verification time:
+    # over by at most one call and one read of the stats
+    assert st.spent <= 0.03 * st.t_all
+    assert 0 < st.n_prof_all < 1200  # a share is profiled (how many follows from the budget) ...
+    payloads = [p for p in payloads + [_profiled_batch(_verify_batch, _items(1), None)[2]] if p]
+    assert sum(p["items"] for p in payloads) == 1200  # ... every verification is counted
+    assert sum(p["profiled"] for p in payloads) == st.n_prof_all
+    measured = [p["overhead_pct"] for p in payloads if p["overhead_pct"] is not None]
+    assert measured and max(measured) < 25 and sum(measured) / len(measured) < 6
+
+
+def test_merge_scales_and_sums_children():
+    a = FuncRow("m.py", 3, "f", 2, 0.1, 0.3, 0.15, [["m.py", 9, "g", 2, 0.2]])
+    into = merge_rows({}, [a], scale=10)
+    merge_rows(into, [a])
+    r = into[("m.py", 3, "f")]
+    assert r.ncall == 22 and r.ttot == pytest.approx(3.3) and r.tavg == pytest.approx(0.15)
+    assert r.children == [["m.py", 9, "g", 22, pytest.approx(2.2)]]
+
+
+async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
+    """A ProfilingControl turns profiling on after a moment and off again; the run never stops, and the
+    snapshots name the verifier's functions with the verifications they stand for."""
+    sink = ListSink()
+    snaps = []
+    cfg = ProfileConfig(session="t-run", scope="verify", budget_pct=5.0, window_s=1.0)
+
+    def source():  # on from the 100th rollout to the 700th
+        return cfg if 100 <= len(sink.results) < 700 else None
+
+    ctl = ProfilingControl(None, source, snaps.extend, worker="test-host")
+    spec = spec_for(simulator, parallelism=16, verifier="math", verify_processes=2,
+                    responses_create_params={"max_output_tokens": 8})
+    rows = list(math_rows(1200))
+    summary = await run_collection(spec, materialize(iter(rows), 1), ProfilingSink(sink, ctl), ctl)
+    assert summary.completed == 1200 and not summary.cancelled and not summary.fatal_error
+    assert snaps and all(s.session == "t-run" and s.worker == "test-host" for s in snaps)
+    assert sum(1 for s in snaps if s.final) == 1
+    verifications = sum(s.verifications for s in snaps)
+    assert 100 < verifications < 1100  # only while it was on
+    merged = merge_rows({}, [r for s in snaps for r in s.rows])
+    verify = [r for r in merged.values() if r.name == "MathVerifier.verify"]
+    assert verify, sorted({r.name for r in merged.values()})[:20]
+    # scaled: the estimate of the verifier's calls is near the verifications of the windows
+    assert 0.5 * verifications <= verify[0].ncall <= 1.5 * verifications
+    assert core._ACTIVE is None and not core._REGISTRY
+
+
+LOG = """name                                                                     ncall   tsub      ttot      tavg      
+/srv/resources_servers/library_judge_math/app.py:118 LibraryJudgeMathResourcesServer.verify      1024    0.009755  17.98387  0.017562
+/srv/resources_servers/library_judge_math/app.py:145 LibraryJudgeMathResourcesServer._verify_answer              1024    0.002933  17.87998  0.017461
+/srv/resources_servers/library_judge_math/app.py:191 <genexpr>                             2339/12    0.001695  0.029082  0.000012
+"""
+
+
+def test_nemo_gym_log_rows_and_a_bad_line_named():
+    rows = parse_log(LOG)
+    assert [(r.name, r.ncall, r.line) for r in rows] == [
+        ("LibraryJudgeMathResourcesServer.verify", 1024, 118),
+        ("LibraryJudgeMathResourcesServer._verify_answer", 1024, 145), ("<genexpr>", 2339, 191)]
+    assert rows[0].ttot == pytest.approx(17.98387) and rows[0].module.endswith("library_judge_math/app.py")
+    with pytest.raises(ValueError, match="line 3"):
+        parse_log(LOG.replace("1024    0.002933", "lots 0.002933"), source="x.log")
+
+
+def test_nemo_gym_stats_pulled_as_the_change_since_the_last_pull(tmp_path):
+    """A stand-in for a NeMo Gym server started with +profiling_enabled=true: GET /stats answers with an empty
+    body and (re)writes <dir>/<server>.log, yappi's table, cumulative since start-up (recorded format)."""
+    import http.server
+    import threading
+
+    from workers.profiling.nemo_gym import StatsPuller
+
+    log_path = tmp_path / "library_judge_math.log"
+    calls = {"n": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            calls["n"] += 1
+            k = calls["n"]
+            log_path.write_text(LOG.replace("1024    0.009755  17.98387", f"{1024 * k}    0.009755  {17.98387 * k}"))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/stats"
+        puller = StatsPuller([{"url": url, "log": str(log_path)}], session="s1", window_s=0)
+        assert puller.poll() == []  # the first pull is the baseline
+        snaps = puller.poll()
+        assert calls["n"] == 2 and len(snaps) == 1
+        snap = snaps[0]
+        assert snap.source == "nemo-gym" and snap.worker == url and snap.session == "s1"
+        rows = {r.name: r for r in snap.rows}
+        assert rows["LibraryJudgeMathResourcesServer.verify"].ncall == 1024  # 2048 - 1024
+        assert rows["LibraryJudgeMathResourcesServer.verify"].ttot == pytest.approx(17.98387)
+        assert "<genexpr>" not in rows  # unchanged since the last pull
+        # an unreachable server is logged and skipped, never raised into the job
+        dead = StatsPuller([{"url": "http://127.0.0.1:9/stats", "log": str(log_path)}], session="s1", window_s=0,
+                           timeout_s=2)
+        assert dead.poll() == []
+    finally:
+        srv.shutdown()

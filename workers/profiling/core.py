@@ -1,0 +1,447 @@
+"""yappi in the verifier pool and the worker process; rows, windows, snapshots (see the package docstring)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import yappi
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 5.0  # default: a pool process hands its rows back at most once per window (with a batch's results)
+GRACE_S = 10.0  # after a session ends, batches still go through the wrapper so that every process flushes
+_MARK = "__profiled__"
+
+
+# ------------------------------------------------------------------------------------------- rows
+@dataclass
+class FuncRow:
+    """One function: the columns of a yappi / NeMo Gym profile. Times in seconds.
+    children: [[module, line, name, ncall, ttot], ...] — the calls this function made (for drill-down,
+    call trees and callgrind)."""
+
+    module: str
+    line: int
+    name: str
+    ncall: float
+    tsub: float
+    ttot: float
+    tavg: float = 0.0
+    children: list = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        return (self.module, self.line, self.name)
+
+    def as_list(self) -> list:
+        return [self.module, self.line, self.name, self.ncall, self.tsub, self.ttot, self.tavg, self.children]
+
+    @classmethod
+    def from_list(cls, v) -> "FuncRow":
+        return cls(v[0], int(v[1]), v[2], v[3], v[4], v[5], v[6], [list(c) for c in (v[7] if len(v) > 7 else [])])
+
+
+def rows_from_yappi(stats) -> list[FuncRow]:
+    out = []
+    for s in stats:
+        children = [[c.module, int(c.lineno), c.name, int(c.ncall), float(c.ttot)] for c in s.children]
+        ncall = int(s.ncall)
+        out.append(FuncRow(s.module, int(s.lineno), s.name, ncall, float(s.tsub), float(s.ttot),
+                           float(s.ttot) / ncall if ncall else 0.0, children))
+    return out
+
+
+def merge_rows(into: dict, rows, scale: float = 1.0) -> dict:
+    """Add `rows` (FuncRow) into `into` ({key: FuncRow}), multiplying ncall / tsub / ttot by `scale`."""
+    for r in rows:
+        cur = into.get(r.key)
+        if cur is None:
+            cur = into[r.key] = FuncRow(r.module, r.line, r.name, 0, 0.0, 0.0, 0.0, [])
+        cur.ncall += r.ncall * scale
+        cur.tsub += r.tsub * scale
+        cur.ttot += r.ttot * scale
+        cur.tavg = cur.ttot / cur.ncall if cur.ncall else 0.0
+        if r.children:
+            kids = {tuple(c[:3]): c for c in cur.children}
+            for c in r.children:
+                k = tuple(c[:3])
+                if k in kids:
+                    kids[k][3] += c[3] * scale
+                    kids[k][4] += c[4] * scale
+                else:
+                    kids[k] = [c[0], c[1], c[2], c[3] * scale, c[4] * scale]
+            cur.children = list(kids.values())
+    return into
+
+
+def _delta(now: dict, before: dict) -> list[FuncRow]:
+    """Cumulative rows (now) minus an earlier cumulative (before): the calls in between."""
+    out = []
+    for k, r in now.items():
+        b = before.get(k)
+        if b is None:
+            out.append(r)
+            continue
+        ncall = r.ncall - b.ncall
+        if ncall <= 0 and r.ttot - b.ttot <= 1e-9:
+            continue
+        bk = {tuple(c[:3]): c for c in b.children}
+        kids = []
+        for c in r.children:
+            p = bk.get(tuple(c[:3]))
+            n, t = (c[3] - p[3], c[4] - p[4]) if p else (c[3], c[4])
+            if n > 0 or t > 1e-9:
+                kids.append([c[0], c[1], c[2], n, t])
+        ttot = r.ttot - b.ttot
+        out.append(FuncRow(r.module, r.line, r.name, ncall, r.tsub - b.tsub, ttot, ttot / ncall if ncall else 0.0, kids))
+    return out
+
+
+# ------------------------------------------------------------------------------------ config, events
+@dataclass
+class ProfileConfig:
+    session: str  # identifies one "profile for N seconds" request
+    scope: str = "verify"  # "verify" | "worker"
+    clock: str = "wall"  # "wall" | "cpu"
+    budget_pct: float = 2.0  # verify scope: the throughput cost the sampling aims at
+    window_s: float = 5.0  # one snapshot per window
+    builtins: bool = True  # C functions too (time.sleep, socket methods): needed to see blocking calls
+
+    def __post_init__(self):
+        if self.scope not in ("verify", "worker"):
+            raise ValueError(f"profiling scope must be 'verify' or 'worker', not {self.scope!r}")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"profiling clock must be 'wall' or 'cpu', not {self.clock!r}")
+
+    def pool_args(self) -> tuple:
+        budget = None if self.scope == "worker" else float(self.budget_pct)
+        return (self.session, self.clock, budget, bool(self.builtins), max(1.0, float(self.window_s)))
+
+
+@dataclass
+class ProfileSnapshot:
+    """A profiling event for the sink: one window of one worker, rows already scaled to all calls."""
+
+    session: str
+    scope: str
+    clock: str
+    worker: str
+    window_start: float  # epoch seconds
+    window_end: float
+    rows: list  # [FuncRow]
+    verifications: int = 0  # verifications run by the pool in the window
+    profiled: int = 0  # of which profiled (the rest are estimated from them)
+    overhead_pct: float | None = None  # estimated throughput cost of profiling in the window
+    source: str = "yappi"
+    final: bool = False  # the session's last window from this worker
+
+
+# ------------------------------------------------------------------------------ pool-process side
+class _PoolState:
+    """One pool process's session. Budget gating: a verification is profiled only while the extra time spent
+    profiling so far (profiled time minus the mean unprofiled time, per profiled call) is within `budget` % of
+    all the verification time of the session; so the cost holds to the budget whatever the profiler's
+    overhead on this verifier (4x on sympy-heavy code), and the sampled fraction follows from it."""
+
+    def __init__(self):
+        self.session = None
+        self.budget = None
+        self.builtins = True
+        self.n_plain = self.n_prof_all = 0
+        self.t_plain = self.t_prof_all = 0.0
+        self.t_all = 0.0  # all verification time of the session
+        self.u_ema = None  # recent unprofiled time per call (a moving average: forgets a slow first call)
+        self.spent = 0.0  # extra time spent profiling (slower profiled calls, and reading the stats)
+        self.flush_s = FLUSH_S
+        self.reset_window()
+
+    def reset_window(self):
+        self.w_items = self.w_prof = 0
+        self.w_time = self.w_spent = 0.0
+        self.last_flush = time.monotonic()
+
+    def per_item(self):
+        if self.n_plain < 5 or self.n_prof_all < 1:
+            return None, None
+        return self.u_ema, self.t_prof_all / self.n_prof_all
+
+    def should_profile(self) -> bool:
+        if self.budget is None:
+            return True
+        if self.n_plain < 5:  # the unprofiled time per call first
+            return False
+        u, p = self.per_item()
+        expected = max(0.0, p - u) if u is not None else 0.0  # what this call would add
+        return self.spent + expected <= (self.budget / 100.0) * self.t_all
+
+
+_STATE = _PoolState()
+
+
+def _start_session(st: _PoolState, cfg) -> None:
+    session, clock, budget, builtins = cfg[:4]
+    yappi.stop()
+    yappi.clear_stats()
+    yappi.set_clock_type(clock)
+    st.__init__()
+    st.session, st.budget, st.builtins = session, budget, builtins
+    st.flush_s = cfg[4] if len(cfg) > 4 else FLUSH_S
+
+
+def _flush(st: _PoolState, final=False) -> dict | None:
+    if st.session is None or (st.w_items == 0 and not final):
+        return None
+    t0 = time.perf_counter()
+    rows = rows_from_yappi(yappi.get_func_stats()) if st.w_prof else []
+    yappi.clear_stats()
+    cost = time.perf_counter() - t0  # reading the stats (~75 ms for 450 sympy functions): part of the budget
+    st.spent += cost
+    st.w_spent += cost
+    st.t_all += cost
+    st.w_time += cost
+    overhead = None
+    if st.budget is not None and st.w_time > st.w_spent:
+        overhead = 100.0 * st.w_spent / (st.w_time - st.w_spent)  # extra time / the time without profiling
+    u, p = st.per_item()
+    payload = {"session": st.session, "pid": os.getpid(), "rows": [r.as_list() for r in rows], "items": st.w_items,
+               "profiled": st.w_prof, "overhead_pct": overhead, "final": final, "t_plain": u, "t_profiled": p}
+    st.reset_window()
+    return payload
+
+
+def _profiled_batch(fn, items, cfg):
+    """In a pool process: run `fn` (the engine's batch verifier) one item at a time, profiling the items the
+    budget allows (all of them when the budget is None) for the session in `cfg`; cfg None ends any session."""
+    st = _STATE
+    payload = None
+    if st.session is not None and (cfg is None or cfg[0] != st.session):
+        payload = _flush(st, final=True)
+        yappi.stop()
+        yappi.clear_stats()
+        st.session = None
+    if cfg is not None and st.session is None:
+        _start_session(st, cfg)
+    if st.session is None:
+        return (_MARK, fn(items), payload)
+    out = []
+    for item in items:
+        prof = st.should_profile()
+        t = time.perf_counter()
+        if prof:
+            yappi.start(builtins=st.builtins, profile_threads=False)
+        try:
+            out.extend(fn([item]))
+        finally:
+            if prof:
+                yappi.stop()
+        dt = time.perf_counter() - t
+        st.w_items += 1
+        st.w_time += dt
+        st.t_all += dt
+        if prof:
+            st.w_prof += 1
+            st.n_prof_all += 1
+            st.t_prof_all += dt
+            if st.u_ema is not None:
+                extra = max(0.0, dt - st.u_ema)
+                st.spent += extra
+                st.w_spent += extra
+        else:
+            st.n_plain += 1
+            st.t_plain += dt
+            st.u_ema = dt if st.u_ema is None else 0.95 * st.u_ema + 0.05 * dt
+    if payload is None and st.w_prof and time.monotonic() - st.last_flush >= st.flush_s:
+        payload = _flush(st)
+    return (_MARK, out, payload)
+
+
+def _flush_now(session: str) -> dict | None:
+    """In a pool process: hand back what the session gathered since the last flush (used when it ends)."""
+    st = _STATE
+    payload = None
+    if st.session == session:
+        payload = _flush(st, final=True)
+        yappi.stop()
+        yappi.clear_stats()
+        st.session = None
+    time.sleep(0.05)  # hold the process so that the next flush call lands on another one
+    return (_MARK, None, payload)
+
+
+# ------------------------------------------------------------------------------ engine-process side
+_lock = threading.Lock()
+_ACTIVE: tuple | None = None  # the pool args every batch carries while a verify/worker session is on
+_GRACE_UNTIL = 0.0
+_REGISTRY: dict[str, "Profiler"] = {}  # session -> the Profiler collecting it in this process
+_WORKER_OWNER: str | None = None  # the session that holds yappi in this (engine) process
+
+
+def verify_call(fn, items):
+    """What the engine submits to its pool for one batch: pool.submit(*verify_call(fn, items))."""
+    cfg = _ACTIVE
+    if cfg is None and time.monotonic() > _GRACE_UNTIL:
+        return fn, items
+    return _profiled_batch, fn, items, cfg
+
+
+def unwrap_result(result):
+    """The batch's results, with any profiling rows handed to the session's Profiler."""
+    if isinstance(result, tuple) and len(result) == 3 and result[0] == _MARK:
+        _, out, payload = result
+        if payload:
+            prof = _REGISTRY.get(payload["session"])
+            if prof is not None:
+                prof.add(payload)
+        return out
+    return result
+
+
+def active_profiler(session: str) -> "Profiler | None":
+    return _REGISTRY.get(session)
+
+
+class Profiler:
+    """Collects one run's profiling in this process. apply() (control thread) starts / stops a session;
+    add() (event loop, via unwrap_result) takes the pool's rows; drain() returns finished windows."""
+
+    def __init__(self, worker: str = "", pool=None):
+        self.worker = worker or socket.gethostname()
+        self.pool = pool
+        self.config: ProfileConfig | None = None
+        self.lock = threading.Lock()
+        self.ready: list[ProfileSnapshot] = []
+        self._new_window()
+        self._worker_prev: dict = {}
+
+    def _new_window(self):
+        self.w_rows: dict = {}
+        self.w_items = self.w_prof = 0
+        self.w_over: list = []  # (items, overhead_pct)
+        self.w_start = time.time()
+
+    # --- session switching
+    def apply(self, config: ProfileConfig | None) -> None:
+        global _ACTIVE, _GRACE_UNTIL, _WORKER_OWNER
+        cur = self.config
+        if cur is not None and config is not None and cur.session == config.session:
+            return
+        if cur is not None:
+            self._end(cur)
+        if config is None:
+            return
+        self.config = config
+        with _lock:
+            _REGISTRY[config.session] = self
+            _ACTIVE = config.pool_args()
+            if config.scope == "worker":
+                if _WORKER_OWNER is None:
+                    _WORKER_OWNER = config.session
+                    yappi.stop()
+                    yappi.clear_stats()
+                    yappi.set_clock_type(config.clock)
+                    yappi.start(builtins=config.builtins, profile_threads=True)
+                    self._worker_prev = {}
+                else:
+                    log.warning("profiling session %s: this process is already profiled whole by session %s; "
+                                "profiling verification only", config.session, _WORKER_OWNER)
+        self._new_window()
+        log.info("profiling on: session %s, scope %s, %s clock", config.session, config.scope, config.clock)
+
+    def _end(self, cur: ProfileConfig) -> None:
+        global _ACTIVE, _GRACE_UNTIL, _WORKER_OWNER
+        with _lock:
+            if _ACTIVE is not None and _ACTIVE[0] == cur.session:
+                _ACTIVE = None
+                _GRACE_UNTIL = time.monotonic() + GRACE_S
+        self._collect_pool_final(cur.session)
+        if _WORKER_OWNER == cur.session:
+            self._take_worker_rows()
+            with _lock:
+                yappi.stop()
+                yappi.clear_stats()
+                _WORKER_OWNER = None
+        self._close_window(final=True)
+        self.config = None
+        log.info("profiling off: session %s", cur.session)
+
+    def _collect_pool_final(self, session: str, timeout: float = 3.0) -> None:
+        """Ask each pool process for what it gathered since its last flush (best effort, bounded)."""
+        if self.pool is None:
+            return
+        try:
+            pool = self.pool()
+            if pool is None:
+                return
+            futs = [pool.submit(_flush_now, session) for _ in range(pool._max_workers)]
+            done, _ = cf.wait(futs, timeout=timeout)
+            for f in done:
+                if f.exception() is None:
+                    unwrap_result(f.result())
+        except Exception as exc:  # noqa: BLE001  (a broken or shut-down pool: the last second is lost)
+            log.warning("profiling: could not collect the pool's last rows: %s", exc)
+
+    # --- data
+    def add(self, payload: dict) -> None:
+        rows = [FuncRow.from_list(v) for v in payload.get("rows") or []]
+        items, prof = int(payload.get("items") or 0), int(payload.get("profiled") or 0)
+        scale = items / prof if prof else 1.0
+        with self.lock:
+            merge_rows(self.w_rows, rows, scale)
+            self.w_items += items
+            self.w_prof += prof
+            if payload.get("overhead_pct") is not None:
+                self.w_over.append((items, float(payload["overhead_pct"])))
+
+    def _take_worker_rows(self) -> None:
+        if _WORKER_OWNER is None or self.config is None or _WORKER_OWNER != self.config.session:
+            return
+        now = {}
+        merge_rows(now, rows_from_yappi(yappi.get_func_stats()))
+        delta = _delta(now, self._worker_prev)
+        self._worker_prev = now
+        with self.lock:
+            merge_rows(self.w_rows, delta)
+
+    def _close_window(self, final=False) -> None:
+        cfg = self.config
+        if cfg is None:
+            return
+        with self.lock:
+            rows = list(self.w_rows.values())
+            if rows or self.w_items or final:
+                over = None
+                if self.w_over:
+                    n = sum(i for i, _ in self.w_over) or 1
+                    over = sum(i * o for i, o in self.w_over) / n
+                self.ready.append(ProfileSnapshot(
+                    session=cfg.session, scope=cfg.scope, clock=cfg.clock, worker=self.worker,
+                    window_start=self.w_start, window_end=time.time(), rows=rows, verifications=self.w_items,
+                    profiled=self.w_prof, overhead_pct=over, final=final))
+            self._new_window()
+
+    def drain(self, final: bool = False) -> list[ProfileSnapshot]:
+        """Finished windows (the current one too when it is older than window_s, or when `final`)."""
+        cfg = self.config
+        if cfg is not None:
+            if cfg.scope == "worker":
+                self._take_worker_rows()
+            if final or time.time() - self.w_start >= cfg.window_s:
+                self._close_window(final=final)
+        with self.lock:
+            out, self.ready = self.ready, []
+        return out
+
+    def finish(self) -> list[ProfileSnapshot]:
+        """The run ends: close any session and return everything not yet drained."""
+        if self.config is not None:
+            self._end(self.config)
+        with _lock:
+            for k in [k for k, v in _REGISTRY.items() if v is self]:
+                del _REGISTRY[k]
+        return self.drain()
