@@ -1,2 +1,2 @@
 """Shared fixtures. Model-server fixtures live in their own plugin modules."""
-pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm"]
+pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm", "tests.fixtures_nemo_gym"]

@@ -924,7 +924,9 @@ async def run_collection(
     any success, unknown verifier, the task iterator failing). Exceptions from the sink propagate.
     """
     try:
-        run = _Run(spec, sink, control)
+        from workers.nemo_gym.engine import run_class  # NeMo Gym agents (/run) and remote verifiers (/verify)
+
+        run = (run_class(spec) or _Run)(spec, sink, control)
     except ValueError as exc:
         await sink.close()
         return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))
