@@ -62,7 +62,7 @@ def write_rows(path: Path, n: int):
         for i in range(n):
             a, b = 3 * i + 1, 7 * i + 2
             f.write(json.dumps({"responses_create_params": {"input": [{"role": "user", "content": f"What is {a} + {b}?"}]},
-                                "expected_answer": str(a + b), "id": f"t{i}"}) + "\n")
+                                "question": f"What is {a} + {b}?", "expected_answer": str(a + b), "id": f"t{i}"}) + "\n")
 
 
 class Sampler:

@@ -7,7 +7,7 @@
 #   bash scripts/nemo_gym.sh stop                # SIGINT to ng_run (it stops its servers and Ray), then waits
 #   bash scripts/nemo_gym.sh status
 #
-# Environment: NEMO_GYM_RUN_DIR (pid/log/env.yaml, default var/nemo-gym), NEMO_GYM_HEAD_PORT (default 11000),
+# Environment: NEMO_GYM_RUN_DIR (pid and log files, default var/nemo-gym), NEMO_GYM_HEAD_PORT (default 11000),
 # NEMO_GYM_START_TIMEOUT (seconds, default 300), NEMO_GYM_MODEL (policy model name, default "sim"),
 # NEMO_GYM_EXTRA_CONFIGS (more config files for ng_run, comma-separated absolute paths).
 # nemo-gym 0.4.0 needs Python >= 3.12 (later releases need >= 3.13.14); its servers' venvs are built by
@@ -20,6 +20,9 @@ NG_PIN="nemo-gym==0.4.0"
 NVENV="$ROOT/.venv-nemo-gym"
 NPY="$NVENV/bin/python"
 RUN_DIR="${NEMO_GYM_RUN_DIR:-$ROOT/var/nemo-gym}"
+# ng_run's working directory: it builds each server's venv under it (kept between starts, so later starts
+# skip the install with +skip_venv_if_present=true) and NeMo Gym writes its outputs there.
+HOME_DIR="$ROOT/var/nemo-gym-home"
 PID_FILE="$RUN_DIR/ng_run.pid"
 LOG_FILE="$RUN_DIR/ng_run.log"
 VENV_STAMP="$NVENV/.installed-nemo-gym-0.4.0-r1"
@@ -46,7 +49,9 @@ base_python() {
 # uv (used by ng_run to build each server's venv) must find the same Python and must not download one.
 uv_env() {
   local bp; bp=$(base_python)
-  export PATH="$NVENV/bin:$(dirname "$bp"):$PATH" UV_PYTHON_DOWNLOADS=never UV_PYTHON="$bp"
+  # (never UV_PYTHON: `uv pip install` would then install the servers' packages into that interpreter itself)
+  export PATH="$NVENV/bin:$(dirname "$bp"):$PATH" UV_PYTHON_DOWNLOADS=never
+  unset UV_PYTHON
 }
 
 cmd_setup() {
@@ -82,20 +87,17 @@ cmd_start() {
   [ -f "$VENV_STAMP" ] || die "nemo-gym is not set up: run bash scripts/nemo_gym.sh setup"
   mkdir -p "$RUN_DIR"
   if pid=$(is_running); then die "ng_run already running (pid $pid); stop it first"; fi
-  cat >"$RUN_DIR/env.yaml" <<EOF
-policy_base_url: $policy
-policy_api_key: ${NEMO_GYM_POLICY_API_KEY:-dummy-key}
-policy_model_name: ${NEMO_GYM_MODEL:-sim}
-EOF
   uv_env
   local site; site=$("$NPY" -c 'import nemo_gym, os; print(os.path.dirname(os.path.dirname(nemo_gym.__file__)))')
   local cfgs="$site/resources_servers/math_with_judge/configs/math_with_judge.yaml,$site/responses_api_models/vllm_model/configs/vllm_model.yaml"
   [ -n "${NEMO_GYM_EXTRA_CONFIGS:-}" ] && cfgs="$cfgs,$NEMO_GYM_EXTRA_CONFIGS"
   log "nemo-gym: starting ng_run (head :$port, policy $policy; log: ${LOG_FILE#$ROOT/})"
   # Own session (setsid) with SIGINT left at its default: `kill -INT` stops ng_run, its servers and Ray.
-  (cd "$RUN_DIR" && exec setsid "$NVENV/bin/ng_run" "+config_paths=[$cfgs]" \
+  mkdir -p "$HOME_DIR"
+  (cd "$HOME_DIR" && exec setsid "$NVENV/bin/ng_run" "+config_paths=[$cfgs]" \
       "+head_server.host=127.0.0.1" "+head_server.port=$port" \
-      "+skip_venv_if_present=true" >"$LOG_FILE" 2>&1 </dev/null) &
+      "+skip_venv_if_present=true" "+policy_base_url=$policy" "+policy_api_key=${NEMO_GYM_POLICY_API_KEY:-dummy-key}" \
+      "+policy_model_name=${NEMO_GYM_MODEL:-sim}" >"$LOG_FILE" 2>&1 </dev/null) &
   pid=$!
   echo "$pid" > "$PID_FILE"
   local t0=$SECONDS
