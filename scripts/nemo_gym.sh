@@ -79,7 +79,7 @@ is_running() {
 head_ok() { curl -fsS -m 2 "http://127.0.0.1:$1/server_instances" >/dev/null 2>&1; }
 
 # All servers listed by the head server answer (ng_run's own readiness line is "All ... servers ready").
-all_ready() { grep -qE "All [0-9]+ / [0-9]+ servers ready" "$LOG_FILE" 2>/dev/null; }
+all_ready() { tail -c +"$((${LOG_OFFSET:-0} + 1))" "$LOG_FILE" 2>/dev/null | grep -qE "All [0-9]+ / [0-9]+ servers ready"; }
 
 cmd_start() {
   local policy="${1:?usage: nemo_gym.sh start POLICY_BASE_URL (…/v1)}"
@@ -94,10 +94,11 @@ cmd_start() {
   log "nemo-gym: starting ng_run (head :$port, policy $policy; log: ${LOG_FILE#$ROOT/})"
   # Own session (setsid) with SIGINT left at its default: `kill -INT` stops ng_run, its servers and Ray.
   mkdir -p "$HOME_DIR"
+  LOG_OFFSET=$(stat -c %s "$LOG_FILE" 2>/dev/null || echo 0)  # the log is appended to: earlier starts stay readable
   (cd "$HOME_DIR" && exec setsid "$NVENV/bin/ng_run" "+config_paths=[$cfgs]" \
       "+head_server.host=127.0.0.1" "+head_server.port=$port" \
       "+skip_venv_if_present=true" "+policy_base_url=$policy" "+policy_api_key=${NEMO_GYM_POLICY_API_KEY:-dummy-key}" \
-      "+policy_model_name=${NEMO_GYM_MODEL:-sim}" >"$LOG_FILE" 2>&1 </dev/null) &
+      "+policy_model_name=${NEMO_GYM_MODEL:-sim}" >>"$LOG_FILE" 2>&1 </dev/null) &
   pid=$!
   echo "$pid" > "$PID_FILE"
   local t0=$SECONDS

@@ -104,7 +104,8 @@ def test_rows_route_by_agent_ref_and_a_500_is_a_failure_not_a_stop(nemo_gym, tmp
     job = CollectionJob.objects.get()
     assert job.state == JobState.COMPLETED
     ok = read_jsonl(out)
-    assert len(ok) == 18 and all(r["reward"] == 1.0 for r in ok)
+    assert len(ok) == 18
+    assert all(isinstance(r["reward"], float) and "library_reward" in r for r in ok)  # scored by the agent's server
     routed = {r["_ng_task_index"]: r["agent_ref"]["name"] for r in ok}
     assert {t for t, a in routed.items() if a == SECOND_AGENT} == {1, 3, 5, 7, 9}
     assert {t for t, a in routed.items() if a == AGENT} == {0, 2, 6, 8}
@@ -124,7 +125,7 @@ def test_agent_restarted_mid_job_gives_exactly_one_row_per_pair(nemo_gym, tmp_pa
 
     def run():
         try:
-            call_command("collect_rollouts", *ng_args(nemo_gym, inp, out, "+num_repeats=1", "+max_retries=12"),
+            call_command("collect_rollouts", *ng_args(nemo_gym, inp, out, "+num_repeats=1", "+max_retries=40"),
                          "+num_samples_in_parallel=4")
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -150,7 +151,8 @@ def test_agent_restarted_mid_job_gives_exactly_one_row_per_pair(nemo_gym, tmp_pa
     after = {s.name: s.url for s in nemo_gym.deployment().servers.values()}
     assert after[AGENT] != before[AGENT]
     job = CollectionJob.objects.get()
-    assert job.state == JobState.COMPLETED and job.completed_count == 60 and job.failed_count == 0
+    failures = list(Rollout.objects.filter(status=Rollout.Status.FAILED).values_list("failure_class", "error"))
+    assert job.state == JobState.COMPLETED and job.completed_count == 60 and failures == []
     assert not Rollout.objects.values("task_index", "rollout_index").annotate(c=Count("id")).filter(c__gt=1).exists()
     assert [key(r) for r in read_jsonl(out)] == [(t, 0) for t in range(60)]
     assert Rollout.objects.filter(attempts__gt=1).exists()  # some rows were retried across the restart
