@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
-from controlplane.jobs.models import ACTIVE_STATES, InvalidTransition, JobState, Rollout
+from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
 
 from . import compare as compare_mod
 from . import heartbeat, live, panels, stats
@@ -38,8 +38,8 @@ def _job_row(job) -> dict:
 # --- Overview ---------------------------------------------------------------------------------
 def _overview_jobs(user):
     jobs = visible_jobs(user).select_related("dataset", "endpoint")
-    active = list(jobs.filter(state__in=ACTIVE_STATES).order_by("-created_at")[:50])
-    recent = list(jobs.exclude(state__in=ACTIVE_STATES).order_by("-created_at")[:RECENT_JOBS])
+    active = list(jobs.filter(state__in=JobState.UNFINISHED).order_by("-created_at")[:50])
+    recent = list(jobs.exclude(state__in=JobState.UNFINISHED).order_by("-created_at")[:RECENT_JOBS])
     return active, recent
 
 
@@ -92,10 +92,8 @@ def job_detail(request, job_id):
         "rewards": stats.reward_metrics(job),
         "failures": stats.failures_by_class(job),
         "panels": panels.render_list(request, job),
-        "can_cancel": job.state in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED),
-        "can_pause": job.state in (JobState.QUEUED, JobState.RUNNING),
-        "can_resume": job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED),
-        "can_retry": job.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED) and job.failed_count > 0,
+        **{f"can_{name}": offered for name, offered in job.offered_actions().items()},
+        "action_states": CollectionJob.action_states(),
         "ws_path": f"/ws/jobs/{job.pk}/",
     }
     return render(request, "dashboard/job_detail.html", ctx)

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 from typing import Any
 
-from django.conf import settings
+from django.core.cache import cache
+from django.db import connection
 from django.db.models import Avg, Count, Q
 from django.utils import timezone
 
+from controlplane.datasets.services import iter_rows
+from controlplane.endpoints.services import endpoint_spec
+from controlplane.jobs.models import JobMetricSample, JobState, Rollout
 from workers.diagnosis import Diagnosis, build_evidence, diagnose
+from workers.engine.types import CollectionSpec
+from workers.sweep import run_sweep as engine_sweep
 
 from .models import ParallelismSweep
 
@@ -55,12 +62,10 @@ def rollout_stats(job) -> dict:
     stored timing summary; a running job's from its newest RECENT_ROLLOUTS rows (bounded work on a
     job of any size, and what the job is doing now rather than since it began). Counts come from the
     job's counters; failures by class read the (job, status, failure_class) index only."""
-    from controlplane.jobs.models import Rollout, TERMINAL_STATES
-
     qs = Rollout.objects.filter(job_id=job.pk)
     out = {"n": job.completed_count + job.failed_count, "ok": job.completed_count, "failed": job.failed_count}
     summary = job.timing_summary or {}
-    if job.state in TERMINAL_STATES and summary.get("wall_ms", {}).get("mean") is not None:
+    if job.state in JobState.TERMINAL and summary.get("wall_ms", {}).get("mean") is not None:
         for f in TIMING_FIELDS:
             out[f] = (summary.get(f) or {}).get("mean")
     else:
@@ -75,8 +80,6 @@ def rollout_stats(job) -> dict:
 
 
 def job_ticks(job, limit: int = MAX_SAMPLES) -> list[dict]:
-    from controlplane.jobs.models import JobMetricSample
-
     rows = list(JobMetricSample.objects.filter(job_id=job.pk).order_by("-t")
                 .values("worker", "t", "elapsed_s", "completed", "failed", "in_flight", "parallelism",
                         "samples_per_s", "output_tokens_per_s", "errors", "extra")[:limit])
@@ -114,8 +117,6 @@ def diagnosis_payload(job, samples: int = MAX_SAMPLES, cache_s: float = 0.0) -> 
     With cache_s, a payload computed in the last cache_s seconds for the same job state and counts is reused
     (the job page re-fetches its panels every few seconds)."""
     if cache_s > 0:
-        from django.core.cache import cache
-
         key = f"diagnostics:payload:{job.pk}:{job.state}:{job.completed_count}:{job.failed_count}:{samples}"
         hit = cache.get(key)
         if hit is not None:
@@ -135,34 +136,6 @@ def diagnosis_payload(job, samples: int = MAX_SAMPLES, cache_s: float = 0.0) -> 
         "adaptive_decisions": adaptive_decisions(job, ticks),
         "sweep": sweep_payload(sweep) if sweep else None,
     }
-
-
-# ------------------------------------------------------------------------------------------ job runs
-def instrument_run(job, spec, sink, control):
-    """What a job run carries: telemetry in every progress tick (stored by the DbSink in
-    JobMetricSample.extra) and, for `parallelism_auto` jobs, the adaptive controller. Returns
-    (sink, control) to hand to run_collection. Never raises: a problem here leaves the run as it was."""
-    try:
-        from workers.telemetry import Telemetry, TelemetrySink
-
-        telemetry = None
-        if getattr(settings, "DIAGNOSTICS_TELEMETRY", True):
-            scrape = getattr(job.endpoint, "kind", "vllm") == "vllm"
-            telemetry = Telemetry(metrics_urls=list(spec.endpoint.base_urls) if scrape else None,
-                                  scrape_interval_s=float(getattr(settings, "DIAGNOSTICS_SCRAPE_INTERVAL_S", 5.0)))
-        if getattr(job, "parallelism_auto", False):
-            from workers.adaptive import AdaptiveConcurrency
-
-            ctl = AdaptiveConcurrency(initial=spec.parallelism,
-                                      max_parallelism=int(getattr(settings, "DIAGNOSTICS_ADAPTIVE_MAX", 1024)),
-                                      telemetry=telemetry)
-            sink = ctl.wrap(sink)
-            control = ctl.control(control)
-        if telemetry is not None:
-            sink = TelemetrySink(sink, telemetry, history=0)
-    except Exception:
-        logger.exception("job %s: could not attach telemetry / adaptive concurrency; running without", job.pk)
-    return sink, control
 
 
 # ------------------------------------------------------------------------------------------ sweeps
@@ -188,11 +161,6 @@ def create_sweep(*, endpoint, dataset=None, job=None, owner=None, sample_size=64
 
 def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
     """Run a stored sweep to its end (in this thread), saving each point as it comes."""
-    from controlplane.datasets.services import iter_rows
-    from controlplane.endpoints.services import endpoint_spec
-    from workers.engine.types import CollectionSpec
-    from workers.sweep import run_sweep as engine_sweep
-
     if sweep.state not in (ParallelismSweep.State.QUEUED, ParallelismSweep.State.FAILED):
         return sweep
     sweep.mark(ParallelismSweep.State.RUNNING, points=[], error_message="")
@@ -206,8 +174,6 @@ def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
 
         def in_thread(fn):
             """Database work from the sweep's event loop: in a thread, closing its connection after."""
-            from django.db import connection
-
             def run():
                 try:
                     return fn()
@@ -217,8 +183,6 @@ def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
             return asyncio.to_thread(run)
 
         def on_point(p):
-            from dataclasses import asdict
-
             points.append(asdict(p))
             snapshot = list(points)
             return in_thread(lambda: ParallelismSweep.objects.filter(pk=sweep.pk).update(points=snapshot))

@@ -20,8 +20,12 @@ class JobState(models.TextChoices):
     FAILED = "failed"
 
 
-ACTIVE_STATES = {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED}
-TERMINAL_STATES = {JobState.CANCELLED, JobState.COMPLETED, JobState.FAILED}
+# State groups, one meaning each (JobState.RUNNABLE, not a local tuple, wherever a group is meant):
+JobState.RUNNABLE = frozenset({JobState.QUEUED, JobState.RUNNING})  # workers take and run its chunks
+JobState.UNFINISHED = JobState.RUNNABLE | {JobState.PAUSED}  # listed as active: not at an end
+JobState.TERMINAL = frozenset({JobState.CANCELLED, JobState.COMPLETED, JobState.FAILED})  # at an end
+ACTIVE_STATES = JobState.UNFINISHED
+TERMINAL_STATES = JobState.TERMINAL
 
 
 class CollectionJob(models.Model):
@@ -90,22 +94,42 @@ class CollectionJob(models.Model):
 
     @property
     def is_active(self):
-        return self.state in ACTIVE_STATES
+        return self.state in JobState.UNFINISHED
 
     # --- state transitions (the only places that change `state`) -------------------------------
-    _ALLOWED = {
-        "start": {JobState.QUEUED, JobState.RUNNING},
-        "pause": {JobState.QUEUED, JobState.RUNNING},
-        "resume": {JobState.PAUSED, JobState.FAILED, JobState.CANCELLED, JobState.RUNNING, JobState.QUEUED},
-        "cancel": {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
-        "complete": {JobState.RUNNING, JobState.QUEUED},
-        "fail": {JobState.QUEUED, JobState.RUNNING, JobState.PAUSED},
-        "retry_failed": {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED},
+    # action -> the states it moves a job out of (what a user is offered) ...
+    TRANSITIONS = {
+        "start": {JobState.QUEUED},
+        "pause": JobState.RUNNABLE,
+        "resume": {JobState.PAUSED, JobState.FAILED, JobState.CANCELLED},
+        "cancel": JobState.UNFINISHED,
+        "complete": JobState.RUNNABLE,
+        "fail": JobState.UNFINISHED,
+        "retry_failed": JobState.TERMINAL,
     }
+    # ... and the states where it is accepted as a repeat (a second worker starting, an API client resuming
+    # a job that already runs: it re-dispatches the unfinished chunks).
+    REPEATS = {
+        "start": {JobState.RUNNING},
+        "resume": JobState.RUNNABLE,
+    }
+    # the dashboard's buttons -> their transition
+    ACTIONS = {"cancel": "cancel", "pause": "pause", "resume": "resume", "retry": "retry_failed"}
 
     def _check(self, action):
-        if self.state not in self._ALLOWED[action]:
+        if self.state not in self.TRANSITIONS[action] and self.state not in self.REPEATS.get(action, ()):
             raise InvalidTransition(f"cannot {action.replace('_', ' ')} a job that is {self.state}")
+
+    def offered_actions(self) -> dict[str, bool]:
+        """{dashboard action: offered now}, from the transition table (retry only when rows failed)."""
+        offered = {name: self.state in self.TRANSITIONS[t] for name, t in self.ACTIONS.items()}
+        offered["retry"] = offered["retry"] and self.failed_count > 0
+        return offered
+
+    @classmethod
+    def action_states(cls) -> dict[str, str]:
+        """{dashboard action: the states that offer it, space-separated} (for the page's live updates)."""
+        return {name: " ".join(s.value for s in JobState if s in cls.TRANSITIONS[t]) for name, t in cls.ACTIONS.items()}
 
     def _set(self, state, **fields):
         self.state = state

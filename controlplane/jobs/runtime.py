@@ -1,5 +1,5 @@
 """Running one chunk of a job: lease, engine, database sink, outcome. The Celery task and the CLI's
-inline runner both call run_chunk, so there is one code path.
+inline runner (run_job_inline, here) both call run_chunk, so there is one code path.
 
 Worker command (threads pool: prefork children are daemonic and cannot host the engine's
 verification process pool; the engine runs in the task's own thread with asyncio.run):
@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -28,13 +29,18 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from controlplane.endpoints.services import endpoint_spec
+from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
+from workers.instrument import Instrumentation, instrument_run
 
-from .models import CollectionJob, JobChunk, JobState
+from . import services
+from .events import publish_job_state
+from .models import CollectionJob, InvalidTransition, JobChunk, JobState
+from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
 
 logger = logging.getLogger(__name__)
 
-ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 MAX_INCOMPLETE_ATTEMPTS = 3
 
 
@@ -68,8 +74,6 @@ def release_lease(chunk_id, lease_owner) -> bool:
 
 
 def build_spec(job, worker_name="") -> CollectionSpec:
-    from controlplane.endpoints.services import endpoint_spec
-
     return CollectionSpec(
         endpoint=endpoint_spec(job.endpoint),
         parallelism=job.effective_parallelism,
@@ -81,15 +85,26 @@ def build_spec(job, worker_name="") -> CollectionSpec:
     )
 
 
+def instrumentation(job) -> Instrumentation:
+    """What a run of this job carries: telemetry in every progress tick (stored by the DbSink in
+    JobMetricSample.extra; vLLM's /metrics scraped for vLLM endpoints) and, for `parallelism_auto` jobs, the
+    adaptive controller (settings DIAGNOSTICS_TELEMETRY, DIAGNOSTICS_SCRAPE_INTERVAL_S, DIAGNOSTICS_ADAPTIVE_MAX)."""
+    return Instrumentation(
+        telemetry=getattr(settings, "DIAGNOSTICS_TELEMETRY", True),
+        scrape_vllm=getattr(job.endpoint, "kind", "vllm") == "vllm",
+        scrape_interval_s=float(getattr(settings, "DIAGNOSTICS_SCRAPE_INTERVAL_S", 5.0)),
+        adaptive=bool(job.parallelism_auto),
+        adaptive_max=int(getattr(settings, "DIAGNOSTICS_ADAPTIVE_MAX", 1024)),
+    )
+
+
 def _mark_running(job_id):
     """Queued -> running. Returns the job, or None when it is not runnable (paused, cancelled ...)."""
     with transaction.atomic():
         job = CollectionJob.objects.select_for_update().select_related("endpoint", "dataset").get(pk=job_id)
-        if job.state not in ACTIVE:
+        if job.state not in JobState.RUNNABLE:
             return None
         job.mark_running()
-    from .events import publish_job_state
-
     publish_job_state(job)
     return job
 
@@ -104,12 +119,9 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
     "lost_lease"  this worker stalled and another took the chunk over; it finishes the chunk
     "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
     """
-    from . import services
-    from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
-
     worker_name = worker_name or default_worker_name()
     chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job").first()
-    if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in ACTIVE:
+    if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in JobState.RUNNABLE:
         return "skipped"
     lease = f"{worker_name}#{uuid.uuid4().hex[:8]}"
     if not acquire_lease(chunk_id, lease):
@@ -131,11 +143,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
             spec = build_spec(job, worker_name)
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
             control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
-            from workers.engine.runner import run_collection
-
-            from controlplane.diagnostics.services import instrument_run  # telemetry + adaptive concurrency
-
-            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(job, spec, sink, control)))
+            summary = asyncio.run(run_collection(spec, tasks, *instrument_run(spec, sink, control, instrumentation(job))))
         finally:
             db.close()
         logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
@@ -152,7 +160,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
         if summary.paused or summary.cancelled:
             release_lease(chunk_id, lease)
             job.refresh_from_db(fields=["state"])
-            if redispatch and job.state in ACTIVE:  # resumed while we were stopping: run it again
+            if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
                 services.dispatch_chunks(job, [chunk_id])
             return "paused" if summary.paused else "cancelled"
         stored, expected = tasks.stored_count(), tasks.expected_count
@@ -192,6 +200,58 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
         raise
 
 
+# --- the CLI path: every chunk in this process ------------------------------------------------
+def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None):
+    """Run every unfinished chunk of the job in this process, with the same code path as the Celery
+    task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
+    (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
+    when `resume` (rerunning the CLI resumes). Chunks leased by another live process are waited for
+    (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
+    Returns the job, refreshed."""
+    worker_name = worker_name or default_worker_name("inline")
+    wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
+    job.refresh_from_db()
+    if resume and job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED):
+        services.resume_job(job, launch=False)
+    waited_since = None
+    try:
+        while True:
+            job.refresh_from_db()
+            if job.state not in JobState.RUNNABLE:
+                break
+            chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
+                             .order_by("index").values_list("pk", flat=True))
+            if not chunk_ids:
+                services.finalize_job(job)
+                break
+            progressed = False
+            for chunk_id in chunk_ids:
+                outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
+                if outcome != "busy":
+                    progressed = True
+                job.refresh_from_db()
+                if job.state not in JobState.RUNNABLE:
+                    break
+            if progressed:
+                waited_since = None
+            else:  # every open chunk is leased by someone else: wait for them or for their lease to expire
+                waited_since = waited_since or time.monotonic()
+                if time.monotonic() - waited_since > wait_for_lease_s:
+                    logger.warning("job %s: chunks still leased by other workers; giving up waiting", job.pk)
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        job.refresh_from_db()
+        if job.state in JobState.RUNNABLE:
+            try:
+                services.pause_job(job)
+            except InvalidTransition:
+                pass
+        raise
+    job.refresh_from_db()
+    return job
+
+
 # --- watchdog ---------------------------------------------------------------------------------
 def watchdog(now=None, dispatch=True) -> dict:
     """Run periodically (Celery beat). Returns what it did.
@@ -201,9 +261,6 @@ def watchdog(now=None, dispatch=True) -> dict:
       dispatched again;
     * running jobs without a new rollout for JOBS_STALL_AFTER_S are flagged stalled;
     * runnable jobs whose chunks are all done are finalized (safety path)."""
-    from . import services
-    from .events import publish_job_state
-
     now = now or timezone.now()
     stale = _stale_before(now)
     report = {"reclaimed": [], "redispatched": [], "stalled": [], "finalized": []}
@@ -217,13 +274,13 @@ def watchdog(now=None, dispatch=True) -> dict:
             logger.warning("job %s chunk %s: lease of %s expired; handing the chunk out again", job_id, chunk_id, owner)
             report["reclaimed"].append(chunk_id)
             job = CollectionJob.objects.get(pk=job_id)
-            if dispatch and job.state in ACTIVE:
+            if dispatch and job.state in JobState.RUNNABLE:
                 with transaction.atomic():
                     services.dispatch_chunks(job, [chunk_id])
 
     # pending chunks whose message may be lost: only for jobs where nothing is live
     lost_before = now - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))
-    for job in CollectionJob.objects.filter(state__in=ACTIVE):
+    for job in CollectionJob.objects.filter(state__in=JobState.RUNNABLE):
         chunks = JobChunk.objects.filter(job=job)
         if chunks.filter(state=JobChunk.State.RUNNING).exists():
             continue
@@ -237,7 +294,7 @@ def watchdog(now=None, dispatch=True) -> dict:
             report["redispatched"].extend(lost)
         elif not chunks.exclude(state=JobChunk.State.DONE).exists():
             if dispatch:
-                transaction.on_commit(lambda job_id=job.pk: _send_finalize(job_id))
+                services.dispatch_finalize(job)
             else:
                 services.finalize_job(job)
             report["finalized"].append(job.pk)
@@ -253,8 +310,3 @@ def watchdog(now=None, dispatch=True) -> dict:
             report["stalled"].append(job.pk)
     return report
 
-
-def _send_finalize(job_id):
-    from .tasks import finalize_job_task
-
-    finalize_job_task.delay(job_id)

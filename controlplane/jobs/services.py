@@ -1,40 +1,50 @@
 """Job domain logic, callable from views, the API, tasks, admin and management commands.
 
 CONTRACT (signatures other apps rely on): create_job, cancel_job, pause_job, resume_job, retry_failed.
-Also here: set_parallelism, refresh_counts, finalize_job, run_job_inline, dispatch_chunks.
+Also here: refresh_counts, finalize_job, fail_job, dispatch_chunks.
 
-The per-chunk runner (lease, engine, sink) lives in runtime.py; the Celery entry points in tasks.py.
+Imports run one way: tasks.py (Celery entry points) -> runtime.py (the per-chunk runner and the CLI's inline
+runner) -> services.py -> models / events. Services send Celery tasks by their registered name, so they
+never import tasks.py.
 Invalid state changes raise models.InvalidTransition (the API answers 409); invalid parameters raise
 django.core.exceptions.ValidationError (400).
 """
 from __future__ import annotations
 
 import logging
-import time
 
+from celery import current_app
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Count
 from django.utils import timezone
+
+from controlplane.datasets.models import Dataset
+from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
+from workers.verifiers import get_verifier
 
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout
 
 logger = logging.getLogger(__name__)
 
-ACTIVE_RUN_STATES = (JobState.QUEUED, JobState.RUNNING)
+RUN_CHUNK_TASK = "controlplane.jobs.tasks.run_chunk_task"
+FINALIZE_JOB_TASK = "controlplane.jobs.tasks.finalize_job_task"
 
 __all__ = [
-    "create_job", "cancel_job", "pause_job", "resume_job", "retry_failed", "set_parallelism",
-    "refresh_counts", "finalize_job", "run_job_inline", "dispatch_chunks", "InvalidTransition",
+    "create_job", "cancel_job", "pause_job", "resume_job", "retry_failed",
+    "refresh_counts", "finalize_job", "fail_job", "dispatch_chunks", "InvalidTransition",
 ]
+
+
+def send_task(name, *args):
+    """Send a registered Celery task (honours task_always_eager; the jobs app registers its tasks when ready)."""
+    return current_app.tasks[name].delay(*args)
 
 
 # --- creation ----------------------------------------------------------------------------------
 def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_size, verifier, verify_mode,
               responses_create_params, verifier_options):
-    from controlplane.datasets.models import Dataset
-
     errors = {}
     if dataset.status != Dataset.Status.READY:
         errors["dataset"] = f"dataset {dataset.pk} is {dataset.status}, not ready"
@@ -49,8 +59,6 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
     if verify_mode not in CollectionJob.VerifyMode.values:
         errors["verify_mode"] = f"verify_mode must be one of {', '.join(CollectionJob.VerifyMode.values)}"
     try:
-        from workers.verifiers import get_verifier
-
         get_verifier(verifier)
     except ValueError as exc:
         errors["verifier"] = str(exc)
@@ -118,22 +126,16 @@ def dispatch_chunks(job, chunk_ids=None):
     JobChunk.objects.filter(pk__in=ids).update(dispatched_at=timezone.now())
 
     def send():
-        from .tasks import run_chunk_task
-
         for chunk_id in ids:
-            run_chunk_task.delay(chunk_id)
+            send_task(RUN_CHUNK_TASK, chunk_id)
 
     transaction.on_commit(send)
     return ids
 
 
-def _dispatch_finalize(job):
-    def send():
-        from .tasks import finalize_job_task
-
-        finalize_job_task.delay(job.pk)
-
-    transaction.on_commit(send)
+def dispatch_finalize(job):
+    """Send the finalization of `job` to Celery after the transaction commits."""
+    transaction.on_commit(lambda job_id=job.pk: send_task(FINALIZE_JOB_TASK, job_id))
 
 
 # --- control -----------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ def resume_job(job, launch=True):
         fresh.resume()
         if launch:
             if not dispatch_chunks(fresh):
-                _dispatch_finalize(fresh)  # every chunk was already done: only the finalization is missing
+                dispatch_finalize(fresh)  # every chunk was already done: only the finalization is missing
     _sync(job, fresh)
     publish_job_state(job)
     return job
@@ -203,15 +205,6 @@ def retry_failed(job, launch=True):
     return job
 
 
-def set_parallelism(job, parallelism):
-    """Change parallelism while the job runs; workers apply it within ~1 s."""
-    if not isinstance(parallelism, int) or isinstance(parallelism, bool) or parallelism < 1:
-        raise ValidationError({"parallelism": "must be an integer >= 1"})
-    CollectionJob.objects.filter(pk=job.pk).update(parallelism_override=parallelism)
-    job.parallelism_override = parallelism
-    return job
-
-
 # --- counts and finalization -------------------------------------------------------------------
 def refresh_counts(job):
     """Recompute completed/failed from the rollouts table (the source of truth) and save them."""
@@ -228,8 +221,6 @@ TIMING_FIELDS = ("queue_ms", "ttft_ms", "generation_ms", "verify_ms", "wall_ms")
 def compute_summaries(job, batch_size=2000):
     """(aggregate_metrics, timing_summary) over the job's stored rows, streamed in constant memory.
     Aggregates are over the successful output rows (NeMo Gym's output file); timings over every row."""
-    from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
-
     agg = AggregateAccumulator(ordered_by_task=True)
     timing = TimingAccumulator()
     # (task, repeat) order walks the unique index and lets the accumulator fold each finished task
@@ -245,9 +236,9 @@ def compute_summaries(job, batch_size=2000):
 def finalize_job(job):
     """When every chunk is done: store aggregate metrics and the timing summary, then complete.
     Idempotent and safe to call from several workers at once. Returns the job (refreshed)."""
-    if job.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+    if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         job.refresh_from_db()
-        if job.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
             return job
     aggregate_metrics, timing_summary = compute_summaries(job)
     from .nemo_gym import with_agent_aggregates  # a NeMo Gym job: the agents' own /aggregate_metrics too
@@ -255,7 +246,7 @@ def finalize_job(job):
     aggregate_metrics = with_agent_aggregates(job, aggregate_metrics)
     with transaction.atomic():
         fresh = _locked(job)
-        if fresh.state not in ACTIVE_RUN_STATES or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        if fresh.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
             return _sync(job, fresh)
         refresh_counts(fresh)
         fresh.aggregate_metrics = aggregate_metrics
@@ -272,65 +263,8 @@ def fail_job(job, message):
     """Fail the job with a user-facing message unless it already reached another end state."""
     with transaction.atomic():
         fresh = _locked(job)
-        if fresh.state in ACTIVE_RUN_STATES or fresh.state == JobState.PAUSED:
+        if fresh.state in JobState.UNFINISHED:
             fresh.fail(message)
     _sync(job, fresh)
     publish_job_state(job)
     return job
-
-
-# --- the CLI path: every chunk in this process -------------------------------------------------
-def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None):
-    """Run every unfinished chunk of the job in this process, with the same code path as the Celery
-    task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
-    (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
-    when `resume` (rerunning the CLI resumes). Chunks leased by another live process are waited for
-    (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
-    Returns the job, refreshed."""
-    from django.conf import settings
-
-    from .runtime import default_worker_name, run_chunk
-
-    worker_name = worker_name or default_worker_name("inline")
-    wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
-    job.refresh_from_db()
-    if resume and job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED):
-        resume_job(job, launch=False)
-    waited_since = None
-    try:
-        while True:
-            job.refresh_from_db()
-            if job.state not in ACTIVE_RUN_STATES:
-                break
-            chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
-                             .order_by("index").values_list("pk", flat=True))
-            if not chunk_ids:
-                finalize_job(job)
-                break
-            progressed = False
-            for chunk_id in chunk_ids:
-                outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
-                if outcome != "busy":
-                    progressed = True
-                job.refresh_from_db()
-                if job.state not in ACTIVE_RUN_STATES:
-                    break
-            if progressed:
-                waited_since = None
-            else:  # every open chunk is leased by someone else: wait for them or for their lease to expire
-                waited_since = waited_since or time.monotonic()
-                if time.monotonic() - waited_since > wait_for_lease_s:
-                    logger.warning("job %s: chunks still leased by other workers; giving up waiting", job.pk)
-                    break
-                time.sleep(1.0)
-    except KeyboardInterrupt:
-        job.refresh_from_db()
-        if job.state in ACTIVE_RUN_STATES:
-            try:
-                pause_job(job)
-            except InvalidTransition:
-                pass
-        raise
-    job.refresh_from_db()
-    return job
-

@@ -8,7 +8,7 @@ import pytest
 
 from controlplane.datasets.models import Dataset
 
-from .conftest import jsonl_bytes, make_dataset, make_job, task_line
+from tests.factories import ingest_dataset, jsonl_bytes, service_job, task_line
 
 pytestmark = pytest.mark.django_db
 
@@ -82,8 +82,8 @@ def test_unsupported_content_type_is_415(api):
 
 
 def test_list_detail_rows_only_own(api, bob_api, alice, bob):
-    mine = make_dataset(alice, n=30, name="mine")
-    theirs = make_dataset(bob, n=2, name="theirs")
+    mine = ingest_dataset(alice, n=30, name="mine")
+    theirs = ingest_dataset(bob, n=2, name="theirs")
     ids = [d["id"] for d in api.get("/api/datasets/").json()]
     assert mine.pk in ids and theirs.pk not in ids
     assert api.get(f"/api/datasets/{mine.pk}/").status_code == 200
@@ -100,16 +100,16 @@ def test_list_detail_rows_only_own(api, bob_api, alice, bob):
 
 
 def test_staff_sees_every_dataset(staff_api, alice, bob):
-    a, b = make_dataset(alice), make_dataset(bob)
+    a, b = ingest_dataset(alice), ingest_dataset(bob)
     ids = {d["id"] for d in staff_api.get("/api/datasets/").json()}
     assert {a.pk, b.pk} <= ids
 
 
 def test_delete_and_conflict_when_used(api, alice):
-    free = make_dataset(alice)
+    free = ingest_dataset(alice)
     assert api.delete(f"/api/datasets/{free.pk}/").status_code == 204
     assert not Dataset.objects.filter(pk=free.pk).exists()
-    job = make_job(alice)
+    job = service_job(alice)
     r = api.delete(f"/api/datasets/{job.dataset_id}/")
     assert r.status_code == 409 and "job" in r.json()["detail"]
     assert Dataset.objects.filter(pk=job.dataset_id).exists()
@@ -119,10 +119,10 @@ def test_list_filters_by_sha256_status_name(api, alice):
     import hashlib
 
     body = jsonl_bytes(task_line(i) for i in range(4))
-    d = make_dataset(alice, n=4, name="four")
+    d = ingest_dataset(alice, n=4, name="four")
     sha = hashlib.sha256(body).hexdigest()
     assert d.sha256 == sha
-    make_dataset(alice, n=2, name="two")
+    ingest_dataset(alice, n=2, name="two")
     assert [x["id"] for x in api.get(f"/api/datasets/?sha256={sha}&status=ready").json()] == [d.pk]
     assert [x["id"] for x in api.get("/api/datasets/?name=four").json()] == [d.pk]
     assert api.get("/api/datasets/?sha256=xyz").status_code == 400

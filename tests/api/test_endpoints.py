@@ -5,7 +5,7 @@ import pytest
 
 from controlplane.endpoints.models import Endpoint
 
-from .conftest import make_endpoint, make_job
+from tests.factories import make_endpoint, service_job
 
 pytestmark = pytest.mark.django_db
 
@@ -64,7 +64,7 @@ def test_other_users_endpoint_is_404(api, bob):
 def test_delete_and_conflict_when_used(api, alice):
     free = make_endpoint(alice)
     assert api.delete(f"/api/endpoints/{free.pk}/").status_code == 204
-    job = make_job(alice)
+    job = service_job(alice)
     r = api.delete(f"/api/endpoints/{job.endpoint_id}/")
     assert r.status_code == 409 and "job" in r.json()["detail"]
 

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState
 
-from .conftest import add_rollouts, make_dataset, make_endpoint, make_job
+from tests.factories import add_rollouts, ingest_dataset, make_endpoint, service_job
 
 pytestmark = pytest.mark.django_db
 
@@ -50,14 +50,14 @@ def test_idempotency_key_returns_same_job(api, dataset, endpoint):
 
 
 def test_idempotency_key_reused_for_other_dataset_is_409(api, alice, dataset, endpoint):
-    other = make_dataset(alice, name="other")
+    other = ingest_dataset(alice, name="other")
     assert api.post("/api/jobs/", _payload(dataset, endpoint), format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 201
     r = api.post("/api/jobs/", _payload(other, endpoint), format="json", HTTP_IDEMPOTENCY_KEY="k")
     assert r.status_code == 409 and "Idempotency-Key" in r.json()["detail"]
 
 
 def test_idempotency_keys_are_per_user(api, bob_api, alice, bob, dataset, endpoint):
-    bds, bep = make_dataset(bob), make_endpoint(bob)
+    bds, bep = ingest_dataset(bob), make_endpoint(bob)
     r1 = api.post("/api/jobs/", _payload(dataset, endpoint), format="json", HTTP_IDEMPOTENCY_KEY="same")
     r2 = bob_api.post("/api/jobs/", _payload(bds, bep), format="json", HTTP_IDEMPOTENCY_KEY="same")
     assert (r1.status_code, r2.status_code) == (201, 201) and r1.json()["id"] != r2.json()["id"]
@@ -82,7 +82,7 @@ def test_create_validation_errors(api, dataset, endpoint, override, field):
 
 
 def test_create_with_other_users_dataset_or_endpoint_is_400(api, bob, dataset, endpoint):
-    r = api.post("/api/jobs/", _payload(make_dataset(bob), endpoint), format="json")
+    r = api.post("/api/jobs/", _payload(ingest_dataset(bob), endpoint), format="json")
     assert r.status_code == 400 and "dataset" in r.json()
     r = api.post("/api/jobs/", _payload(dataset, make_endpoint(bob)), format="json")
     assert r.status_code == 400 and "endpoint" in r.json()
@@ -96,12 +96,12 @@ def test_create_with_rejected_dataset_is_400(api, alice, dataset, endpoint):
 
 
 def test_list_filters(api, alice, bob):
-    ds1, ds2, ep = make_dataset(alice), make_dataset(alice), make_endpoint(alice)
-    j1 = make_job(alice, ds1, ep)
-    j2 = make_job(alice, ds2, ep, state=JobState.COMPLETED)
-    j3 = make_job(alice, ds2, make_endpoint(alice), state=JobState.FAILED)
+    ds1, ds2, ep = ingest_dataset(alice), ingest_dataset(alice), make_endpoint(alice)
+    j1 = service_job(alice, ds1, ep)
+    j2 = service_job(alice, ds2, ep, state=JobState.COMPLETED)
+    j3 = service_job(alice, ds2, make_endpoint(alice), state=JobState.FAILED)
     CollectionJob.objects.filter(pk=j3.pk).update(created_at=timezone.now() - timedelta(days=3))
-    theirs = make_job(bob)
+    theirs = service_job(bob)
 
     def ids(q=""):
         r = api.get("/api/jobs/" + q)
@@ -136,7 +136,7 @@ def test_detail_has_progress_metrics_timing(api, job):
 
 
 def test_other_users_job_is_404_on_every_job_route(api, bob):
-    theirs = make_job(bob)
+    theirs = service_job(bob)
     base = f"/api/jobs/{theirs.pk}/"
     for method, url in [("get", base), ("post", base + "cancel/"), ("post", base + "pause/"),
                         ("post", base + "resume/"), ("post", base + "retry-failed/"), ("get", base + "metrics/"),
@@ -147,7 +147,7 @@ def test_other_users_job_is_404_on_every_job_route(api, bob):
 
 
 def test_staff_sees_other_users_job(staff_api, bob):
-    theirs = make_job(bob)
+    theirs = service_job(bob)
     assert staff_api.get(f"/api/jobs/{theirs.pk}/").status_code == 200
 
 

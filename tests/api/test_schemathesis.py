@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings as hyp_settings
 
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from .conftest import add_rollouts, make_job
+from tests.factories import add_rollouts, service_job
 
 MAX_EXAMPLES = 10
 
@@ -49,7 +49,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 @pytest.fixture
 def world(alice):
-    job = make_job(alice, limit=3)
+    job = service_job(alice, limit=3)
     add_rollouts(job, 5, failed_every=2)
     return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint}
 

@@ -16,15 +16,14 @@ from controlplane.datasets.models import Dataset, DatasetRow
 from controlplane.datasets.services import (
     DatasetValidationError,
     delete_dataset,
-    file_sha256,
     find_by_sha256,
-    format_report,
     ingest_jsonl,
     iter_rows,
     preview_rows,
     split_into_chunks,
-    validate_jsonl,
 )
+from workers import nemo_jsonl
+from workers.nemo_jsonl import file_sha256, format_report, validate_jsonl
 
 pytestmark = pytest.mark.django_db
 
@@ -179,27 +178,25 @@ def test_empty_file_and_all_bad_file_rejected_even_partial(tmp_path):
 
 
 def test_report_list_capped_but_count_true(tmp_path, settings):
-    from controlplane.datasets import services
-    p = write_lines(tmp_path / "many.jsonl", ["bad"] * (services.MAX_REPORTED_BAD_LINES + 25) + [good(0)])
+    p = write_lines(tmp_path / "many.jsonl", ["bad"] * (nemo_jsonl.MAX_REPORTED_BAD_LINES + 25) + [good(0)])
     with pytest.raises(DatasetValidationError) as ei:
         ingest_jsonl(p, name="many")
     rep = ei.value.report
-    assert len(rep["bad_lines"]) == services.MAX_REPORTED_BAD_LINES
-    assert rep["bad_line_count"] == services.MAX_REPORTED_BAD_LINES + 25
+    assert len(rep["bad_lines"]) == nemo_jsonl.MAX_REPORTED_BAD_LINES
+    assert rep["bad_line_count"] == nemo_jsonl.MAX_REPORTED_BAD_LINES + 25
     assert rep["truncated"] is True
-    assert ei.value.dataset.bad_line_count == services.MAX_REPORTED_BAD_LINES + 25
+    assert ei.value.dataset.bad_line_count == nemo_jsonl.MAX_REPORTED_BAD_LINES + 25
 
 
 def test_line_spanning_many_read_chunks(tmp_path, monkeypatch):
-    from controlplane.datasets import services
-    monkeypatch.setattr(services, "READ_CHUNK_BYTES", 7)  # lines cross chunk boundaries everywhere
+    monkeypatch.setattr(nemo_jsonl, "READ_CHUNK_BYTES", 7)  # lines cross chunk boundaries everywhere
     lines = [good(i) for i in range(30)] + ["{broken"] + [good(99)]
     p = write_lines(tmp_path / "x.jsonl", lines)
     ds = ingest_jsonl(p, name="x", accept_partial=True)
     assert ds.row_count == 31
     assert ds.validation_report["bad_lines"][0]["line"] == 31
     assert list(iter_rows(ds, 30, 31))[0][1]["expected_answer"] == "100"
-    monkeypatch.setattr(services, "MAX_LINE_BYTES", 200)
+    monkeypatch.setattr(nemo_jsonl, "MAX_LINE_BYTES", 200)
     p2 = write_lines(tmp_path / "long.jsonl", [good(1), json.dumps({"responses_create_params": {"input": "y" * 500}}), good(2)])
     with pytest.raises(DatasetValidationError) as ei:
         ingest_jsonl(p2, name="long")

@@ -11,6 +11,7 @@ import pytest
 from django.db.models import Count
 
 from controlplane.jobs import services
+from controlplane.jobs.runtime import run_job_inline
 from controlplane.jobs.events import job_group
 from controlplane.jobs.models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 
@@ -70,7 +71,7 @@ def test_inline_run_end_to_end(user, math_dataset, sim_endpoint, simulator_facto
     job = new_job(user, math_dataset(40), sim_endpoint(sim.url), num_repeats=2, chunk_size=15,
                   responses_create_params={"max_output_tokens": 24, "temperature": 0.5})
     seen = []
-    job = services.run_job_inline(job, on_progress=seen.append)
+    job = run_job_inline(job, on_progress=seen.append)
 
     assert job.state == JobState.COMPLETED, job.error_message
     assert job.chunks.count() == 3 and set(job.chunks.values_list("state", flat=True)) == {"done"}
@@ -97,7 +98,7 @@ def test_inline_run_end_to_end(user, math_dataset, sim_endpoint, simulator_facto
 def test_metric_samples_written_while_running(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=2, ttft_ms=300, itl_ms=0)
     job = new_job(user, math_dataset(24), sim_endpoint(sim.url), num_samples_in_parallel=4)
-    job = services.run_job_inline(job)  # ~6 waves of 300 ms: a couple of progress ticks
+    job = run_job_inline(job)  # ~6 waves of 300 ms: a couple of progress ticks
     assert job.state == JobState.COMPLETED
     samples = list(JobMetricSample.objects.filter(job=job).order_by("t"))
     assert len(samples) >= 1
@@ -107,7 +108,7 @@ def test_metric_samples_written_while_running(user, math_dataset, sim_endpoint, 
 def test_rerun_is_exactly_once(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=3, ttft_ms=1, itl_ms=0)
     job = new_job(user, math_dataset(30), sim_endpoint(sim.url), num_repeats=2, chunk_size=10)
-    job = services.run_job_inline(job)
+    job = run_job_inline(job)
     assert job.state == JobState.COMPLETED and Rollout.objects.filter(job=job).count() == 60
     first_ids = set(Rollout.objects.filter(job=job).values_list("id", flat=True))
 
@@ -117,7 +118,7 @@ def test_rerun_is_exactly_once(user, math_dataset, sim_endpoint, simulator_facto
     JobChunk.objects.filter(job=job, index=2).update(state="pending")  # this one is complete in the table
     CollectionJob.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
     job.refresh_from_db()
-    job = services.run_job_inline(job)
+    job = run_job_inline(job)
 
     assert job.state == JobState.COMPLETED
     assert Rollout.objects.filter(job=job).count() == 60 and pairs_are_unique(job)
@@ -138,7 +139,7 @@ def test_progress_messages_reach_the_channel_layer(user, math_dataset, sim_endpo
         await layer.group_add(job_group(job.pk), channel)
         try:
             await asyncio.sleep(0.2)  # the subscription is live before the run starts
-            runner = asyncio.create_task(asyncio.to_thread(run_and_close, services.run_job_inline, job))
+            runner = asyncio.create_task(asyncio.to_thread(run_and_close, run_job_inline, job))
             messages = []
             while True:
                 try:
@@ -172,7 +173,7 @@ def test_unreachable_endpoint_fails_the_job_with_a_clear_message(user, math_data
     endpoint = sim_endpoint(f"http://127.0.0.1:{port}", max_retries=2, connect_timeout_s=1)
     job = new_job(user, math_dataset(10), endpoint)
     t0 = time.monotonic()
-    job = services.run_job_inline(job, resume=False)
+    job = run_job_inline(job, resume=False)
     assert time.monotonic() - t0 < 20
     assert job.state == JobState.FAILED
     assert f"127.0.0.1:{port}" in job.error_message and "after 2 retries" in job.error_message
@@ -186,7 +187,7 @@ def test_stalled_server_is_cut_off_by_the_timeout(user, math_dataset, sim_endpoi
     endpoint = sim_endpoint(sim.url, request_timeout_s=1.0, max_retries=0)
     job = new_job(user, math_dataset(30), endpoint, num_samples_in_parallel=30)
     t0 = time.monotonic()
-    job = services.run_job_inline(job)
+    job = run_job_inline(job)
     assert time.monotonic() - t0 < 15
     assert job.state == JobState.COMPLETED, job.error_message
     timeouts = Rollout.objects.filter(job=job, status="failed", failure_class="timeout")
@@ -197,7 +198,7 @@ def test_stalled_server_is_cut_off_by_the_timeout(user, math_dataset, sim_endpoi
 def test_cancel_stops_a_running_job_within_two_seconds(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=6, ttft_ms=5000, itl_ms=0)  # every request takes 5 s
     job = new_job(user, math_dataset(200), sim_endpoint(sim.url), num_samples_in_parallel=16)
-    thread, box = run_in_thread(services.run_job_inline, job)
+    thread, box = run_in_thread(run_job_inline, job)
     assert wait_for(lambda: CollectionJob.objects.get(pk=job.pk).state == JobState.RUNNING, 20)
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -214,7 +215,7 @@ def test_cancel_stops_a_running_job_within_two_seconds(user, math_dataset, sim_e
 def test_pause_then_resume_completes_exactly_once(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=7, ttft_ms=100, itl_ms=0)
     job = new_job(user, math_dataset(120), sim_endpoint(sim.url), num_samples_in_parallel=8, chunk_size=40)
-    thread, box = run_in_thread(services.run_job_inline, job, resume=False)
+    thread, box = run_in_thread(run_job_inline, job, resume=False)
     assert wait_for(lambda: Rollout.objects.filter(job=job).count() >= 20, 30)
     services.pause_job(CollectionJob.objects.get(pk=job.pk))
     thread.join(15)
@@ -225,7 +226,7 @@ def test_pause_then_resume_completes_exactly_once(user, math_dataset, sim_endpoi
     assert 20 <= partial < 120
     assert not job.chunks.filter(state="running").exists()
 
-    job = services.run_job_inline(job)  # resumes (the CLI rerun)
+    job = run_job_inline(job)  # resumes (the CLI rerun)
     assert job.state == JobState.COMPLETED
     assert Rollout.objects.filter(job=job).count() == 120 and pairs_are_unique(job)
     assert job.completed_count + job.failed_count == 120

@@ -9,7 +9,8 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 from django.urls import reverse
 
-from .conftest import job_group, make_dataset, make_endpoint, make_job
+from controlplane.jobs.events import job_group
+from tests.factories import make_dataset, make_endpoint, make_job
 
 pytestmark = pytest.mark.django_db
 

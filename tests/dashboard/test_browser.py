@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 
 from . import servers
-from .conftest import math_rows
+from tests.factories import sum_rows
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -74,7 +74,7 @@ def test_dashboard_end_to_end_in_chromium(live_stack, tmp_path):
     url = live_stack["url"]
     ARTIFACTS.mkdir(exist_ok=True)
     data = tmp_path / "browser_math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in math_rows(240, seed=3)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in sum_rows(240, seed=3)))
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=servers.CHROMIUM, args=servers.CHROMIUM_ARGS)

@@ -10,7 +10,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 from django.urls import reverse
 
-from .conftest import make_dataset, make_endpoint, make_job, math_rows
+from tests.factories import make_dataset, make_endpoint, make_job, sum_rows
 
 pytestmark = pytest.mark.django_db
 
@@ -116,7 +116,7 @@ def test_rollout_detail_shows_input_output_verifier_usage_timings(client_alice, 
 
 def test_upload_good_file_then_launch_a_job(client_alice, alice, no_celery, django_capture_on_commit_callbacks):
     make_endpoint(alice)
-    body = b"".join(json.dumps(r).encode() + b"\n" for r in math_rows(7))
+    body = b"".join(json.dumps(r).encode() + b"\n" for r in sum_rows(7))
     resp = client_alice.post(reverse("dashboard:dataset_upload"), {"file": SimpleUploadedFile("m.jsonl", body), "name": "seven"},
                              HTTP_X_REQUESTED_WITH="XMLHttpRequest")
     assert resp.status_code == 200, resp.content
@@ -140,7 +140,7 @@ def test_upload_good_file_then_launch_a_job(client_alice, alice, no_celery, djan
 
 
 def test_upload_bad_file_reports_line_numbers(client_alice):
-    lines = [json.dumps(math_rows(1)[0]), "{not json", json.dumps({"question": "no params"}), json.dumps(math_rows(2)[1])]
+    lines = [json.dumps(sum_rows(1)[0]), "{not json", json.dumps({"question": "no params"}), json.dumps(sum_rows(2)[1])]
     body = ("\n".join(lines) + "\n").encode()
     resp = client_alice.post(reverse("dashboard:dataset_upload"), {"file": SimpleUploadedFile("bad.jsonl", body)},
                              HTTP_X_REQUESTED_WITH="XMLHttpRequest")

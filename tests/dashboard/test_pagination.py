@@ -13,7 +13,7 @@ from django.urls import reverse
 from controlplane.dashboard.pagination import keyset_page
 from controlplane.jobs.models import Rollout
 
-from .conftest import make_dataset, make_endpoint, make_job
+from tests.factories import make_dataset, make_endpoint, make_job
 
 pytestmark = pytest.mark.django_db
 

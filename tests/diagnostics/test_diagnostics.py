@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 from controlplane.diagnostics import services
 from controlplane.diagnostics.models import ParallelismSweep
 from controlplane.jobs import services as job_services
+from controlplane.jobs.runtime import run_job_inline
 from controlplane.jobs.models import JobMetricSample
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,7 +36,7 @@ def _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory, **kw):
 def test_job_run_stores_telemetry_and_is_diagnosed(settings, user, math_dataset, sim_endpoint, simulator_factory):
     settings.DIAGNOSTICS_SCRAPE_INTERVAL_S = 0.5
     sim, job = _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory)
-    job = job_services.run_job_inline(job)
+    job = run_job_inline(job)
     assert job.state == "completed", job.error_message
     samples = list(JobMetricSample.objects.filter(job=job).order_by("t"))
     assert samples
@@ -67,7 +68,7 @@ def test_parallelism_auto_job_records_adaptive_decisions(user, math_dataset, sim
     job = job_services.create_job(owner=user, dataset=ds, endpoint=ep, launch=False, verifier="exact",
                                   num_samples_in_parallel=2, parallelism_auto=True,
                                   responses_create_params={"max_output_tokens": 20})
-    job = job_services.run_job_inline(job)
+    job = run_job_inline(job)
     assert job.state == "completed", job.error_message
     samples = list(JobMetricSample.objects.filter(job=job).order_by("t"))
     assert all("adaptive" in s.extra for s in samples)
@@ -80,7 +81,7 @@ def test_parallelism_auto_job_records_adaptive_decisions(user, math_dataset, sim
 def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_factory, django_user_model, settings):
     settings.ROOT_URLCONF = "tests.diagnostics.urls"
     sim, job = _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory)
-    job = job_services.run_job_inline(job)
+    job = run_job_inline(job)
     client = APIClient()
     assert client.get(f"/api/jobs/{job.pk}/diagnosis/").status_code == 401
     client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)

@@ -5,7 +5,8 @@ import socket
 import time
 
 from workers.engine.materialize import materialize
-from workers.engine.runner import backoff_delay, parse_retry_after, run_collection
+from workers.engine.pacing import backoff_delay, parse_retry_after
+from workers.engine.runner import run_collection
 from workers.engine.types import FailureClass
 
 from .test_engine import ListSink, math_rows, spec_for

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 
-from workers.engine import runner
 from workers.engine.materialize import materialize
-from workers.engine.runner import RemoteVerifierError, _verify_batch, _VerifyBatcher, get_verify_pool, run_collection
+from workers.engine.runner import run_collection
+from workers.engine.verify_pool import (
+    RemoteVerifierError, VerifyBatcher, VerifyPool, _verify_batch, get_verify_pool, shutdown_verify_pool,
+)
 
 from .test_engine import ListSink, math_rows, spec_for
 
@@ -20,7 +22,7 @@ def test_verify_batch_reports_each_item_in_order():
 
 
 async def test_batcher_matches_results_to_rollouts_and_batches_under_load():
-    batcher = _VerifyBatcher(asyncio.get_running_loop(), 1, max_batch=16)
+    batcher = VerifyBatcher(asyncio.get_running_loop(), 1, max_batch=16)
     submits = []
     real_submit = get_verify_pool(1).submit
 
@@ -44,7 +46,7 @@ async def test_batcher_matches_results_to_rollouts_and_batches_under_load():
 
 
 async def test_pool_is_warm_before_the_first_request_and_verify_ms_is_clean(simulator):
-    runner.shutdown_verify_pool()  # a cold pool: processes start and import sympy / math-verify
+    shutdown_verify_pool()  # a cold pool: processes start and import sympy / math-verify
     sink = ListSink()
     spec = spec_for(simulator, parallelism=8, verifier="math", verify_processes=2,
                     responses_create_params={"max_output_tokens": 16})
@@ -61,9 +63,26 @@ async def test_pool_is_warm_before_the_first_request_and_verify_ms_is_clean(simu
 async def test_cancel_while_the_pool_warms_stops_promptly(simulator):
     from .test_engine import ScriptedControl
 
-    runner.shutdown_verify_pool()
+    shutdown_verify_pool()
     sink = ListSink()
     spec = spec_for(simulator, parallelism=4, verifier="math", verify_processes=1)
     control = ScriptedControl().at(0.0, action="cancel")
     summary = await asyncio.wait_for(run_collection(spec, materialize(math_rows(50), 1), sink, control), 30)
     assert summary.cancelled and not sink.results and sink.closed
+
+
+async def test_a_run_given_its_own_pool_uses_it_and_leaves_the_shared_one_alone(simulator):
+    shutdown_verify_pool()
+    own = VerifyPool()
+    try:
+        sink = ListSink()
+        spec = spec_for(simulator, parallelism=4, verifier="math", verify_processes=1,
+                        responses_create_params={"max_output_tokens": 16})
+        summary = await run_collection(spec, materialize(math_rows(8), 1), sink, verify_pool=own)
+        assert summary.completed == 8 and not summary.fatal_error
+        assert getattr(own.executor(1), "_engine_warm", False)  # warmed and used: the run's own pool
+        assert all(r.reward in (0.0, 1.0) for r in sink.results)
+        from workers.engine.verify_pool import SHARED_VERIFY_POOL
+        assert SHARED_VERIFY_POOL._executor is None  # never started
+    finally:
+        own.shutdown()

@@ -5,8 +5,8 @@
 - `InlineBurnVerifier` ("burn_inline"): the same, not marked cpu_bound, so it runs on the event loop.
 - `SleepVerifier` ("sleep_verify"): a pool verifier that waits `sleep_ms` (a slow external call).
 - `use_scenario_verify_pool(processes)`: the engine's pool imports `workers.verifiers` in its processes,
-  not this module; this replaces the engine's module-level pool with one whose processes import this
-  module first, so "burn" / "sleep_verify" resolve there.
+  not this module; this restarts the engine's shared pool (or the given one) with processes that import
+  this module first, so "burn" / "sleep_verify" resolve there.
 - `LoopBlockingSink(inner, block_ms)`: a sink that blocks the event loop for `block_ms` per rollout (a
   busy wait, as heavy per-row serialization would) - the honest way to make a run control-plane-bound.
 - `rows_math(n)`: arithmetic tasks the simulator answers.
@@ -65,20 +65,12 @@ def _init_worker(module: str) -> None:
     importlib.import_module(module)
 
 
-def use_scenario_verify_pool(processes: int) -> None:
-    """Make the engine's verification pool (size `processes`) know this module's verifiers."""
-    from concurrent.futures import ProcessPoolExecutor
+def use_scenario_verify_pool(processes: int, pool=None) -> None:
+    """Make a verification pool (default: the engine's shared one) of size `processes` know this module's
+    verifiers, with its processes started now so the first rollouts do not pay for it."""
+    from workers.engine.verify_pool import SHARED_VERIFY_POOL
 
-    from workers.engine import runner
-
-    with runner._pool_lock:
-        if runner._pool is not None:
-            runner._pool.shutdown(wait=False, cancel_futures=True)
-        runner._pool = ProcessPoolExecutor(max_workers=processes, mp_context=runner._mp_context(),
-                                           initializer=_init_worker, initargs=(__name__,))
-        runner._pool_size = processes
-    # start the processes now, so the first rollouts do not pay for it
-    list(runner._pool.map(_init_worker, [__name__] * processes))
+    (pool or SHARED_VERIFY_POOL).configure(_init_worker, (__name__,), processes)
 
 
 class LoopBlockingSink:

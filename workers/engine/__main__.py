@@ -17,8 +17,9 @@ from pathlib import Path
 
 from .aggregate import AggregateAccumulator, TimingAccumulator
 from .materialize import materialize
-from .runner import run_collection, shutdown_verify_pool
+from .runner import run_collection
 from .types import CollectionSpec, EndpointSpec
+from .verify_pool import shutdown_verify_pool
 
 
 class JsonlSink:

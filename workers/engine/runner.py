@@ -12,9 +12,9 @@ Shape of a run
   from request to emitted result, so at most `parallelism` tasks are in flight and at most
   `max_resident` tasks are in memory whatever the dataset size. The pool grows or shrinks when the
   control asks for another parallelism (idle workers retire at once, busy ones after their task).
-* CPU-bound verifiers run in a module-level process pool (`get_verify_pool`), warmed (each process has
-  run the verifier once) before the first task is read, so no timing includes the pool's cold start;
-  verifications go to the pool in batches (`_VerifyBatcher`: a batch of one when the pool is idle,
+* CPU-bound verifiers run in a process pool (`verify_pool.VerifyPool`; the shared one unless the run is given
+  another), warmed (each process has run the verifier once) before the first task is read, so no timing
+  includes the pool's cold start; verifications go to the pool in batches (`VerifyBatcher`: a batch of one when the pool is idle,
   everything that waited when it is busy), one IPC round trip per batch rather than per rollout.
 * The control (if any) is polled in a thread every CONTROL_POLL_S. "pause" stops taking tasks, lets
   in-flight requests finish for up to `spec.pause_grace_s` and returns RunSummary(paused=True);
@@ -37,15 +37,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import multiprocessing
 import os
-import random
-import threading
 import time
-from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from email.utils import parsedate_to_datetime
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterable, Iterable
 
 import aiohttp
@@ -55,9 +50,11 @@ from workers.verifiers.base import Verifier
 
 from .convert import StreamAccumulator, build_request, convert_answer, response_text
 from .materialize import merge_overrides
+from .pacing import TokenBucket, backoff_delay, parse_retry_after
 from .types import (
     CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
 )
+from .verify_pool import SHARED_VERIFY_POOL, RemoteVerifierError, VerifyBatcher, VerifyPool
 
 log = logging.getLogger(__name__)
 
@@ -65,159 +62,6 @@ CONTROL_POLL_S = 0.5
 WEIGHT_VERSION_HEADERS = ("X-Weight-Version", "X-Model-Weight-Version")
 _ITER_BATCH = 64
 _END = object()
-
-
-# ------------------------------------------------------------------------------------- process pool
-
-_pool_lock = threading.Lock()
-_pool: ProcessPoolExecutor | None = None
-_pool_size = 0
-
-
-def _mp_context():
-    """forkserver where available (never fork: the engine often runs in a thread of a threaded process)."""
-    methods = multiprocessing.get_all_start_methods()
-    if "forkserver" in methods:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["workers.verifiers", "math_verify"])
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
-def get_verify_pool(size: int | None = None) -> ProcessPoolExecutor:
-    """The module-level process pool for CPU-bound verifiers, created on first use and reused across runs
-    (a Celery worker runs many jobs; starting processes and importing sympy each time is costly)."""
-    global _pool, _pool_size
-    size = max(1, size or os.cpu_count() or 1)
-    with _pool_lock:
-        if _pool is not None and _pool_size != size:
-            _pool.shutdown(wait=False, cancel_futures=True)
-            _pool = None
-        if _pool is None:
-            _pool = ProcessPoolExecutor(max_workers=size, mp_context=_mp_context())
-            _pool_size = size
-        return _pool
-
-
-def shutdown_verify_pool(wait: bool = True) -> None:
-    """Stop the verifier processes (also registered with atexit)."""
-    global _pool
-    with _pool_lock:
-        pool, _pool = _pool, None
-    if pool is not None:
-        pool.shutdown(wait=wait, cancel_futures=True)
-
-
-def _discard_broken_pool(pool) -> None:
-    global _pool
-    with _pool_lock:
-        if _pool is pool:
-            _pool = None
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _warm_verifier(name: str) -> int:
-    """In a pool process: run the verifier once (sympy / math-verify's lazy set-up), then hold the process a
-    moment so that the next warm-up call lands on another process of the pool."""
-    try:
-        verify_row(name, {"expected_answer": "2"}, "The answer is \\boxed{2}")
-    except Exception:  # noqa: BLE001  (a verifier that needs other fields is still imported and set up)
-        pass
-    time.sleep(0.2)
-    return os.getpid()
-
-
-def _verify_batch(items: list[tuple]) -> list[tuple]:
-    """In a pool process: verify several rollouts. One entry per item, in order:
-    (True, VerifyResult) or (False, exception type name, message)."""
-    out: list[tuple] = []
-    for name, row, text, options, fast in items:
-        try:
-            out.append((True, verify_row(name, row, text, options, fast)))
-        except Exception as exc:  # noqa: BLE001  (reported per rollout as a verifier error)
-            out.append((False, type(exc).__name__, str(exc)))
-    return out
-
-
-class RemoteVerifierError(Exception):
-    """A verifier raised in a pool process; `type_name` is the original exception's class name."""
-
-    def __init__(self, type_name: str, message: str):
-        super().__init__(message)
-        self.type_name = type_name
-
-
-class _VerifyBatcher:
-    """Hands CPU-bound verifications to the process pool in batches.
-
-    At most `pool size + 1` submits are in flight (one per process, plus one queued so a process never
-    waits for the round trip); each carries everything that waited meanwhile, up to `max_batch`. When the
-    pool is idle a batch of one goes out at once (no added latency); when it is busy, one pickle, one
-    pipe round trip and one executor wake-up serve a whole batch instead of one rollout each, which
-    keeps the event loop's thread (and the GIL) free for HTTP and the sink."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, processes: int | None, max_batch: int = 32):
-        self.loop = loop
-        self.processes = processes
-        self.max_batch = max_batch
-        self.pending: deque = deque()
-        self.inflight = 0
-
-    def verify(self, name: str, row: dict, text: str, options: dict, fast: bool) -> asyncio.Future:
-        fut = self.loop.create_future()
-        self.pending.append(((name, row, text, options, fast), fut))
-        self._dispatch()
-        return fut
-
-    def _dispatch(self) -> None:
-        pool = None
-        while self.pending:
-            if pool is None:
-                pool = get_verify_pool(self.processes)
-            if self.inflight >= pool._max_workers + 1:
-                return
-            batch = []
-            while self.pending and len(batch) < self.max_batch:
-                args, fut = self.pending.popleft()
-                if not fut.done():  # a cancelled waiter (the run is stopping) needs no verification
-                    batch.append((args, fut))
-            if not batch:
-                return
-            try:
-                cfut = pool.submit(_verify_batch, [args for args, _ in batch])
-            except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
-                if isinstance(exc, BrokenProcessPool):
-                    _discard_broken_pool(pool)
-                pool = None
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            self.inflight += 1
-            afut = asyncio.wrap_future(cfut, loop=self.loop)
-            afut.add_done_callback(lambda f, batch=batch, pool=pool: self._done(f, batch, pool))
-
-    def _done(self, afut: asyncio.Future, batch: list, pool) -> None:
-        self.inflight -= 1
-        exc = asyncio.CancelledError() if afut.cancelled() else afut.exception()
-        if isinstance(exc, BrokenProcessPool):
-            _discard_broken_pool(pool)
-        results = afut.result() if exc is None else None
-        for i, (_, fut) in enumerate(batch):
-            if fut.done():
-                continue
-            if exc is not None:
-                fut.set_exception(exc)
-            elif results[i][0]:
-                fut.set_result(results[i][1])
-            else:
-                fut.set_exception(RemoteVerifierError(results[i][1], results[i][2]))
-        self._dispatch()
-
-
-import atexit  # noqa: E402
-
-atexit.register(shutdown_verify_pool, False)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -265,64 +109,6 @@ class _Abandon(Exception):
     """The run is stopping: drop this task without emitting it."""
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After as seconds (delta-seconds or an HTTP date); None when absent or unparseable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def backoff_delay(attempt: int, base: float, cap: float, retry_after: float | None = None) -> float:
-    """Delay before retry number `attempt + 1` (attempt counts from 0): Retry-After when the server sent
-    one (capped at `cap`), else exponential `base * 2**attempt` capped at `cap`, with equal jitter."""
-    if retry_after is not None:
-        return min(cap, retry_after) * random.uniform(1.0, 1.1)
-    delay = min(cap, base * (2 ** attempt))
-    return delay / 2 + random.uniform(0, delay / 2)
-
-
-class TokenBucket:
-    """Client-side pacing: `per_minute` units per minute, bursts of one second's worth (at least one unit).
-
-    `acquire(n)` takes n units, sleeping while the bucket is in debt; `adjust(n)` corrects an estimate
-    afterwards (positive: more was used)."""
-
-    def __init__(self, per_minute: float, burst: float | None = None):
-        self.rate = per_minute / 60.0
-        self.capacity = max(1.0, burst if burst is not None else self.rate)
-        self.tokens = self.capacity
-        self.stamp = time.monotonic()
-        self.lock = asyncio.Lock()
-
-    def _refill(self):
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    async def acquire(self, amount: float = 1.0):
-        async with self.lock:
-            self._refill()
-            self.tokens -= amount
-            if self.tokens < 0:
-                await asyncio.sleep(-self.tokens / self.rate)
-                self._refill()
-
-    def adjust(self, amount: float):
-        self._refill()
-        self.tokens -= amount
-
-
 def _error_reason(exc: BaseException) -> str:
     """A short, human reason: "Connection refused", "Name or service not known", "Server disconnected"."""
     text = str(exc) or type(exc).__name__
@@ -356,7 +142,7 @@ def _decode_events(datas: list[bytes]) -> list:
 # -------------------------------------------------------------------------------------------- the run
 
 class _Run:
-    def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None):
+    def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None, verify_pool: VerifyPool | None = None):
         if not spec.endpoint.base_urls:
             raise ValueError("EndpointSpec.base_urls is empty")
         self.spec = spec
@@ -394,7 +180,8 @@ class _Run:
             self.verifier = get_verifier(spec.verifier)  # ValueError for an unknown name
             overrides_fast = type(self.verifier).fast_verify is not Verifier.fast_verify
             self.verify_in_pool = self.verifier.cpu_bound and not (self.fast and overrides_fast)
-        self.batcher = _VerifyBatcher(self.loop, spec.verify_processes) if self.verify_in_pool else None
+        self.batcher = (VerifyBatcher(self.loop, spec.verify_processes, pool=verify_pool or SHARED_VERIFY_POOL)
+                        if self.verify_in_pool else None)
 
         # workers and state
         self.workers: dict[asyncio.Task, str] = {}  # task -> "idle" | "busy" | "emit"
@@ -834,33 +621,9 @@ class _Run:
             await asyncio.sleep(CONTROL_POLL_S)
 
     async def _warm_verify_pool(self):
-        """Start the verifier processes and run the verifier once in each (sympy / math-verify set-up takes
-        seconds on a cold start) before any request is sent, so that no rollout's timings include it.
-        Once per pool: later runs in the same process find it warm. Returns early when the run stops."""
-        pool = get_verify_pool(self.spec.verify_processes)
-        if getattr(pool, "_engine_warm", False):
-            return
-        warm = asyncio.gather(*(self.loop.run_in_executor(pool, _warm_verifier, self.spec.verifier)
-                                for _ in range(pool._max_workers)))
-        stop = self.loop.create_task(self.stop_event.wait())
-        t = time.monotonic()
-        try:
-            done, _ = await asyncio.wait({warm, stop}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-            if warm in done:
-                pids = warm.result()
-                pool._engine_warm = True
-                log.info("verifier pool warm (%d processes, %.1fs)", len(set(pids)), time.monotonic() - t)
-            elif stop not in done:
-                log.warning("verifier pool not warm after 120 s; starting anyway")
-        except Exception as exc:  # a broken pool: verification reports per-row errors, the run goes on
-            if isinstance(exc, BrokenProcessPool):
-                _discard_broken_pool(pool)
-            log.warning("warming the verifier pool failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            stop.cancel()
-            if not warm.done():
-                warm.cancel()
-                warm.add_done_callback(lambda f: f.cancelled() or f.exception())
+        """Warm the verifier processes before any request is sent, so that no rollout's timings include
+        their cold start (see VerifyBatcher.warm)."""
+        await self.batcher.warm(self.spec.verifier, self.stop_event, log)
 
     # ---------------------------------------------------------------- main
     async def run(self, tasks) -> RunSummary:
@@ -917,16 +680,18 @@ async def run_collection(
     tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
     sink: Sink,
     control: Control | None = None,
+    verify_pool: VerifyPool | None = None,
 ) -> RunSummary:
     """Collect one rollout per TaskItem and hand each result to `sink` (see the module docstring).
 
     Returns a RunSummary; `fatal_error` is set when the run stopped early (endpoint unreachable before
     any success, unknown verifier, the task iterator failing). Exceptions from the sink propagate.
+    CPU-bound verifiers run in `verify_pool` (default: the process's shared pool).
     """
     try:
         from workers.nemo_gym.engine import run_class  # NeMo Gym agents (/run) and remote verifiers (/verify)
 
-        run = (run_class(spec) or _Run)(spec, sink, control)
+        run = (run_class(spec) or _Run)(spec, sink, control, verify_pool)
     except ValueError as exc:
         await sink.close()
         return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))
@@ -938,6 +703,7 @@ def run_collection_sync(
     tasks: Iterable[TaskItem] | AsyncIterable[TaskItem],
     sink: Sink,
     control: Control | None = None,
+    verify_pool: VerifyPool | None = None,
 ) -> RunSummary:
     """`run_collection` in a fresh event loop (for threads, Celery tasks and scripts)."""
-    return asyncio.run(run_collection(spec, tasks, sink, control))
+    return asyncio.run(run_collection(spec, tasks, sink, control, verify_pool))

@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import aiohttp
 
-from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason, backoff_delay
+from workers.engine.pacing import backoff_delay
+from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason
 from workers.engine.types import FailureClass, RolloutResult, RunSummary, TaskItem
 
 from . import HEAD_FLAVOR
@@ -58,9 +59,9 @@ class _EmitMixin:
 
 
 class AgentRun(_EmitMixin, _Run):
-    def __init__(self, spec, sink, control):
+    def __init__(self, spec, sink, control, verify_pool=None):
         # the agent verifies; its answer is one JSON body (no streaming)
-        super().__init__(replace(spec, verifier="none", verify_mode="deferred", stream=False), sink, control)
+        super().__init__(replace(spec, verifier="none", verify_mode="deferred", stream=False), sink, control, verify_pool)
         self.head = self.base_urls[0] if self.ep.api_flavor == HEAD_FLAVOR else None
         self.default_agent = self.ep.model or None
         self.agent_urls: dict[str | None, list[str]] = {}
@@ -197,8 +198,8 @@ class RemoteVerifyRun(_Run):
     verifier_options: {"url": "http://host:port"} (a resources server), or {"head_url": ..., "server": name}
     (found through the head server; `server` may be omitted when the deployment has one resources server)."""
 
-    def __init__(self, spec, sink, control):
-        super().__init__(replace(spec, verifier="none"), sink, control)
+    def __init__(self, spec, sink, control, verify_pool=None):
+        super().__init__(replace(spec, verifier="none"), sink, control, verify_pool)
         self.spec = spec
         self.verifier = object()  # makes the base run call _verify
         self.verify_url: str | None = (spec.verifier_options or {}).get("url")

@@ -8,7 +8,8 @@ import os
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from controlplane.datasets.services import DatasetValidationError, format_report, ingest_jsonl
+from controlplane.datasets.services import DatasetValidationError, ingest_jsonl
+from workers.nemo_jsonl import format_report
 
 
 class Command(BaseCommand):

@@ -258,9 +258,9 @@ def parse_overrides(tokens: list[str]) -> dict:
         raise ArgError("missing required key(s): " + ", ".join(missing))
     rcp = cfg["responses_create_params"]
     if rcp:
-        from controlplane.datasets.services import _check_optional_params
+        from workers.nemo_jsonl import check_optional_params
 
-        err = _check_optional_params(rcp)
+        err = check_optional_params(rcp)
         if err:
             raise ArgError(f"+{err}")
         if "input" in rcp:
@@ -318,8 +318,8 @@ class Command(BaseCommand):
             self._fail(f"+owner: no such user {cfg['owner']!r}")
 
     def _dataset(self, cfg, owner):
-        from controlplane.datasets.services import (DatasetValidationError, file_sha256, find_by_sha256,
-                                                    format_report, ingest_jsonl)
+        from controlplane.datasets.services import DatasetValidationError, find_by_sha256, ingest_jsonl
+        from workers.nemo_jsonl import file_sha256, format_report
 
         path = cfg["input_jsonl_fpath"]
         if not os.path.isfile(path):
@@ -401,7 +401,8 @@ class Command(BaseCommand):
 
         from controlplane.jobs.export import write_export
         from controlplane.jobs.models import CollectionJob, JobState
-        from controlplane.jobs.services import create_job, run_job_inline
+        from controlplane.jobs.runtime import run_job_inline
+        from controlplane.jobs.services import create_job
 
         out_path = Path(cfg["output_jsonl_fpath"])
         try:
