@@ -106,7 +106,12 @@ def run_measured(cmd: list[str], env: dict, cwd: str) -> dict:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = Sampler(proc.pid)
-    out, _ = proc.communicate(timeout=1800)
+    try:
+        out, _ = proc.communicate(timeout=1800)
+    except BaseException:  # interrupted or too slow: the client must not outlive the bench
+        proc.kill()
+        proc.wait()
+        raise
     wall = time.monotonic() - t0
     cpu, rss = sampler.finish()
     return {"rc": proc.returncode, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": rss / 2**20, "log": out[-3000:]}

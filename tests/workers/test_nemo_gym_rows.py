@@ -59,3 +59,21 @@ def test_output_row_reattaches_indices_and_aggregate_entry_keeps_usage():
     entry = aggregate_entry(out)
     assert entry["response"] == {"usage": {"output_tokens": 7}} and "responses_create_params" not in entry
     assert entry["reward"] == 1.0 and entry["extracted_answer"] == "4"
+
+
+def test_drop_in_arguments_select_the_nemo_gym_deployment():
+    from controlplane.jobs.management.commands.collect_rollouts import ArgError, parse_overrides
+
+    base = ["+input_jsonl_fpath=in.jsonl", "+output_jsonl_fpath=out.jsonl"]
+    cfg = parse_overrides(base + ["+agent_name=my_agent", "+head_server.host=10.0.0.5", "+head_server.port=11001"])
+    assert cfg["_nemo_gym"] and cfg["head_server"] == {"host": "10.0.0.5", "port": 11001}
+    assert cfg["verifier"] == "none"  # the agent's resources server verifies
+    assert parse_overrides(base + ["+agent_name=a"])["head_server"] == {}  # NeMo Gym's defaults apply
+    with_model = parse_overrides(base + ["+agent_name=a", "+model_base_url=http://h:1", "+model_name=m"])
+    assert not with_model["_nemo_gym"] and with_model["verifier"] == "math"  # the built-in engine, as before
+    with pytest.raises(ArgError, match="head_server.hots"):
+        parse_overrides(base + ["+agent_name=a", "+head_server.hots=x"])
+    with pytest.raises(ArgError, match="port number"):
+        parse_overrides(base + ["+agent_name=a", "+head_server.port=abc"])
+    with pytest.raises(ArgError, match="missing required"):
+        parse_overrides(base)  # neither a model server nor an agent
