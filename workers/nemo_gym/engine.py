@@ -233,7 +233,9 @@ class RemoteVerifyRun(_Run):
     async def _verify(self, row: dict, response: dict, result: RolloutResult):
         t0 = time.monotonic()
         body = dict(row)
-        body["response"] = response
+        # /verify validates a full Responses API object: fields a chat or completions answer has no
+        # counterpart for get the API's defaults (the stored response is left as it is)
+        body["response"] = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], **response}
         url = self.verify_url + "/verify"
         attempt, error, failure = 0, "", FailureClass.VERIFIER_ERROR
         while True:
