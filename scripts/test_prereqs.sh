@@ -11,4 +11,6 @@ apt_install bubblewrap
 [ -f scripts/frontend.sh ] && bash scripts/frontend.sh
 # Real vLLM on CPU with a tiny locally built model, for the `vllm` tests.
 [ -f scripts/vllm_cpu.sh ] && bash scripts/vllm_cpu.sh setup
+# Real NeMo Gym (nemo-gym 0.4.0 needs Python >= 3.12) for the `nemo_gym` tests; skipped where there is none.
+if bash scripts/nemo_gym.sh python >/dev/null 2>&1; then bash scripts/nemo_gym.sh setup; fi
 true

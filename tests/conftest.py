@@ -1,7 +1,7 @@
 """Shared fixtures. Model-server fixtures live in their own plugin modules."""
 import pytest
 
-pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm"]
+pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm", "tests.fixtures_nemo_gym"]
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ class Endpoint(models.Model):
     class Kind(models.TextChoices):
         VLLM = "vllm", "vLLM (has /metrics and admin routes)"
         OPENAI = "openai", "Hosted OpenAI-compatible API"
+        NEMO_GYM = "nemo_gym", "NeMo Gym deployment (head server; agents discovered)"
+        NEMO_GYM_AGENT = "nemo_gym_agent", "NeMo Gym agent server (/run)"
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="endpoints")
     name = models.CharField(max_length=200)
@@ -49,6 +51,11 @@ class Endpoint(models.Model):
     @property
     def all_base_urls(self):
         return [self.base_url, *[u for u in self.replica_urls if u and u != self.base_url]]
+
+    @property
+    def is_nemo_gym(self):
+        """An environment endpoint: rows go to NeMo Gym agents' /run (model_name is the default agent's name)."""
+        return self.kind in (self.Kind.NEMO_GYM, self.Kind.NEMO_GYM_AGENT)
 
     @property
     def has_api_key(self):

@@ -31,11 +31,17 @@ PREWARM_TIMEOUT_S = 60.0
 REDACTED = "********"
 
 
+def nemo_gym_flavor(endpoint) -> str | None:
+    from workers.nemo_gym import AGENT_FLAVOR, HEAD_FLAVOR
+
+    return {"nemo_gym": HEAD_FLAVOR, "nemo_gym_agent": AGENT_FLAVOR}.get(endpoint.kind)
+
+
 def endpoint_spec(endpoint) -> EndpointSpec:
     return EndpointSpec(
         base_urls=endpoint.all_base_urls,
         model=endpoint.model_name,
-        api_flavor=endpoint.api_flavor,
+        api_flavor=nemo_gym_flavor(endpoint) or endpoint.api_flavor,
         api_key=endpoint.api_key or None,
         request_timeout_s=endpoint.request_timeout_s,
         connect_timeout_s=endpoint.connect_timeout_s,
@@ -192,6 +198,10 @@ def check_health(endpoint, *, timeout: float = HEALTH_TIMEOUT_S, save: bool = Tr
     {"ok", "checked_at", "error", "replicas": [{"url", "ok", "latency_ms", "health_status", "models_status",
     "model_available", "error"}...]} and, when save, stores it in endpoint.last_health/last_health_at.
     ok is True when every replica is healthy and serves the model. Never raises on network errors."""
+    if endpoint.is_nemo_gym:
+        from .nemo_gym import check_nemo_gym_health
+
+        return check_nemo_gym_health(endpoint, timeout=timeout, save=save)
     urls = endpoint.all_base_urls
     if len(urls) == 1:
         replicas = [_check_one(endpoint, urls[0], timeout)]

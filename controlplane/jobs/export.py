@@ -161,6 +161,8 @@ def write_export(job, path: str | os.PathLike, *, failures: bool = True, aggrega
         result["failures"] = str(paths["failures"])
     if aggregate_metrics:
         metrics = dict(job.aggregate_metrics or {})
+        if "nemo_gym_agents" in metrics:  # a NeMo Gym agent job: the agents' own entries, NeMo Gym's shape
+            metrics = metrics["nemo_gym_agents"]
         _write_atomic_lines(paths["aggregate_metrics"], iter([json.dumps(metrics, indent=2, sort_keys=True) + "\n"]))
         result["aggregate_metrics"] = str(paths["aggregate_metrics"])
     return result

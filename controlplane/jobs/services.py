@@ -264,6 +264,9 @@ def finalize_job(job):
         if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
             return job
     aggregate_metrics, timing_summary = compute_summaries(job)
+    from .nemo_gym import with_agent_aggregates  # a NeMo Gym job: the agents' own /aggregate_metrics too
+
+    aggregate_metrics = with_agent_aggregates(job, aggregate_metrics)
     with transaction.atomic():
         fresh = _locked(job)
         if fresh.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():

@@ -374,6 +374,8 @@ def parse_sse_line(line: bytes) -> dict | None | bool:
 
 
 def convert_answer(flavor: str, body: dict) -> dict:
+    if flavor.startswith("nemo_gym"):  # a NeMo Gym agent's /run answer is kept as it is
+        return body
     if flavor == "chat_completions":
         return to_response_from_chat(body)
     if flavor == "completions":

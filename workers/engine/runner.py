@@ -700,7 +700,9 @@ async def run_collection(
     CPU-bound verifiers run in `verify_pool` (default: the process's shared pool).
     """
     try:
-        run = _Run(spec, sink, control, verify_pool)
+        from workers.nemo_gym.engine import run_class  # NeMo Gym agents (/run) and remote verifiers (/verify)
+
+        run = (run_class(spec) or _Run)(spec, sink, control, verify_pool)
     except ValueError as exc:
         await sink.close()
         return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))

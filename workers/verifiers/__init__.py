@@ -11,6 +11,7 @@ from . import math as _math  # noqa: F401  (registers math)
 from . import mcqa as _mcqa  # noqa: F401  (registers mcqa)
 from . import codeexec as _codeexec  # noqa: F401  (registers code)
 from . import judge as _judge  # noqa: F401  (registers judge)
+from . import remote as _remote  # noqa: F401  (registers nemo_gym: a resources server's /verify)
 
 
 def _load_plugins() -> None:

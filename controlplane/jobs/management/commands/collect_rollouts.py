@@ -62,7 +62,10 @@ KEYS: list[Key] = [
     Key("input_jsonl_fpath", "path", "NeMo Gym JSONL task file (required)"),
     Key("output_jsonl_fpath", "path", "where to write the rollouts (required); _failures.jsonl and "
         "_aggregate_metrics.json are written beside it"),
-    Key("agent_name", "str", "recorded in the job's name (NeMo Gym's agent; the engine here is the built-in one)", ""),
+    Key("agent_name", "str", "NeMo Gym agent to send rows to (POST /run), found through the head server; rows with "
+        "their own agent_ref go to that agent. Without +model_base_url the run drives the NeMo Gym deployment", ""),
+    Key("head_server.<host|port>", "dict", "NeMo Gym head server (default 127.0.0.1:11000), e.g. "
+        "+head_server.host=10.0.0.5 +head_server.port=11000", None, group="endpoint"),
     Key("limit", "int_or_null", "keep the first N input rows", None, minimum=1),
     Key("num_repeats", "int", "rollouts per input row (order a a b b ...)", 1, minimum=1),
     Key("num_samples_in_parallel", "int", "requests in flight at most", 16, minimum=1),
@@ -247,8 +250,20 @@ def parse_overrides(tokens: list[str]) -> dict:
             cfg.setdefault(name, k.default)
     cfg["_given"] = given
     missing = [f"+{k}" for k in ("input_jsonl_fpath", "output_jsonl_fpath") if not cfg.get(k)]
-    if not cfg.get("endpoint"):
-        missing += [f"+{k}" for k in ("model_base_url",) if not cfg.get(k)]
+    # a NeMo Gym deployment: an agent name or a head server, and no model server of its own
+    cfg["_nemo_gym"] = bool(not cfg.get("endpoint") and not cfg.get("model_base_url")
+                            and (cfg.get("agent_name") or cfg.get("head_server")))
+    if cfg["_nemo_gym"]:
+        bad = set(cfg["head_server"]) - {"host", "port"}
+        if bad:
+            raise ArgError(f"unknown key +head_server.{sorted(bad)[0]} (host and port are known)")
+        port = cfg["head_server"].get("port", 11000)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ArgError(f"+head_server.port must be a port number, got {json.dumps(port)}")
+        if "verifier" not in given:
+            cfg["verifier"] = "none"  # the agent's resources server verifies
+    elif not cfg.get("endpoint"):
+        missing += [f"+{k}" for k in ("model_base_url",) if not cfg.get(k)]  # the model name comes from /v1/models when it serves one
     if missing:
         raise ArgError("missing required key(s): " + ", ".join(missing))
     rcp = cfg["responses_create_params"]
@@ -375,7 +390,16 @@ class Command(BaseCommand):
         from controlplane.endpoints.models import Endpoint
         from controlplane.endpoints.services import normalize_base_url
 
-        if cfg.get("endpoint"):
+        if cfg.get("_nemo_gym"):
+            from workers.nemo_gym.deployment import head_url
+
+            head = head_url(cfg["head_server"].get("host"), cfg["head_server"].get("port"))
+            lookup = dict(kind=Endpoint.Kind.NEMO_GYM, base_url=head, model_name=cfg["agent_name"] or "")
+            qs = Endpoint.objects.filter(**lookup)
+            qs = qs.filter(owner=owner) if owner else qs.filter(owner__isnull=True)
+            ep = qs.order_by("pk").first() or Endpoint(
+                owner=owner, name=f"NeMo Gym {cfg['agent_name'] or 'agents'} @ {head}"[:200], **lookup)
+        elif cfg.get("endpoint"):
             qs = Endpoint.objects.filter(name=cfg["endpoint"])
             ep = (qs.filter(owner=owner) if owner else qs.filter(owner__isnull=True)).first() or qs.first()
             if ep is None:
@@ -393,7 +417,7 @@ class Command(BaseCommand):
             if ep is None:
                 ep = Endpoint(owner=owner, name=f"{cfg['model_name']} @ {base}"[:200], **lookup)
         changed = ep.pk is None
-        for field, key in (("kind", "endpoint_kind"), ("api_key", "api_key"), ("request_timeout_s", "request_timeout_s"),
+        for field, key in ((("kind", "endpoint_kind"),) if not cfg.get("_nemo_gym") else ()) + (("api_key", "api_key"), ("request_timeout_s", "request_timeout_s"),
                            ("connect_timeout_s", "connect_timeout_s"), ("max_retries", "max_retries"),
                            ("rpm_limit", "rpm_limit"), ("tpm_limit", "tpm_limit")):
             given = key in cfg["_given"]
@@ -438,6 +462,8 @@ class Command(BaseCommand):
         dataset = self._dataset(cfg, owner)
         endpoint = self._endpoint(cfg, owner)
         ep_ident = {"base_urls": endpoint.all_base_urls, "model": endpoint.model_name, "api_flavor": endpoint.api_flavor}
+        if endpoint.is_nemo_gym:
+            ep_ident["kind"] = endpoint.kind
         key = idempotency_key(cfg, dataset.sha256, ep_ident)
         if not cfg["resume"]:
             key = key[:60] + ":" + hashlib.sha256(f"{time.time_ns()}".encode()).hexdigest()[:16]
@@ -485,6 +511,9 @@ class Command(BaseCommand):
         if job.output_path != str(out_path.resolve()):
             CollectionJob.objects.filter(pk=job.pk).update(output_path=str(out_path.resolve()))
         res = write_export(job, out_path)
+        from controlplane.jobs.nemo_gym import write_materialized_inputs
+
+        res["materialized_inputs"] = str(write_materialized_inputs(job, out_path, cfg["agent_name"] or None))
         self._summary(job, res, elapsed, job.done_count - done_before)
         if job.state == JobState.FAILED:
             self._fail(f"job {job.pk} failed: {job.error_message or 'no message'}\n"
@@ -555,6 +584,7 @@ class Command(BaseCommand):
             f"Rollouts:          {res['output']} ({res['ok_rows']} rows)",
             f"Failures:          {res['failures']} ({res['failed_rows']} rows)",
             f"Aggregate metrics: {res['aggregate_metrics']}",
+            f"Materialized inputs: {res['materialized_inputs']}",
         ]
         if job.failed_count:
             from django.db.models import Count

@@ -1,0 +1,99 @@
+"""Jobs on NeMo Gym endpoints: the agents' own /aggregate_metrics (stored beside the product's aggregates)
+and NeMo Gym's `_materialized_inputs.jsonl` (every /run body, in task order)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import requests
+
+from workers.nemo_gym.deployment import DeploymentError, resolve_sync
+from workers.nemo_gym.rows import AGENT_REF, aggregate_entry, agent_of, run_body
+
+from .models import Rollout
+
+logger = logging.getLogger(__name__)
+AGENT_METRICS_KEY = "nemo_gym_agents"  # in job.aggregate_metrics: NeMo Gym's list, one entry per agent
+AGGREGATE_TIMEOUT_S = 120.0
+
+
+def agent_urls(endpoint) -> dict[str, str]:
+    if endpoint.kind == endpoint.Kind.NEMO_GYM:
+        return resolve_sync(endpoint.base_url, timeout_s=endpoint.connect_timeout_s).agents
+    return {endpoint.model_name: endpoint.base_url.rstrip("/")}
+
+
+def agent_aggregates(job) -> list[dict]:
+    """POST {agent}/aggregate_metrics with the job's successful rows, grouped by agent, as ng_collect_rollouts
+    does. One entry per agent: {agent_ref, agent_metrics, key_metrics, group_level_metrics}, or
+    {agent_ref, error} where the agent does not answer (the job still completes)."""
+    endpoint = job.endpoint
+    by_agent: dict[str, list[dict]] = {}
+    qs = (Rollout.objects.filter(job_id=job.pk, status=Rollout.Status.OK).order_by("task_index", "rollout_index")
+          .values_list("data", flat=True))
+    for data in qs.iterator(chunk_size=2000):
+        name = agent_of(data, endpoint.model_name)
+        if name:
+            by_agent.setdefault(name, []).append(aggregate_entry(data))
+    if not by_agent:
+        return []
+    try:
+        urls = agent_urls(endpoint)
+    except DeploymentError as exc:
+        return [{AGENT_REF: {"name": n}, "error": str(exc)} for n in by_agent]
+    out = []
+    for name, entries in by_agent.items():
+        url = urls.get(name) if endpoint.kind == endpoint.Kind.NEMO_GYM else next(iter(urls.values()))
+        if not url:
+            out.append({AGENT_REF: {"name": name}, "error": "the deployment no longer has this agent"})
+            continue
+        try:
+            resp = requests.post(f"{url}/aggregate_metrics", json={"verify_responses": entries},
+                                 timeout=(endpoint.connect_timeout_s, AGGREGATE_TIMEOUT_S))
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            body = resp.json()
+            out.append({AGENT_REF: {"name": name}, "agent_metrics": body.get("agent_metrics", {}),
+                        "key_metrics": body.get("key_metrics", {}),
+                        "group_level_metrics": body.get("group_level_metrics", [])})
+        except (requests.RequestException, ValueError, AttributeError) as exc:
+            logger.warning("job %s: /aggregate_metrics of agent %s failed: %s", job.pk, name, exc)
+            out.append({AGENT_REF: {"name": name}, "error": f"{url}/aggregate_metrics: {type(exc).__name__}: {exc}"[:500]})
+    return out
+
+
+def with_agent_aggregates(job, aggregate_metrics: dict) -> dict:
+    """The product's aggregates plus, for a NeMo Gym job, the agents' own under `nemo_gym_agents`."""
+    if not getattr(job.endpoint, "is_nemo_gym", False):
+        return aggregate_metrics
+    return {**aggregate_metrics, AGENT_METRICS_KEY: agent_aggregates(job)}
+
+
+def materialized_path(output_path: str | os.PathLike) -> Path:
+    p = Path(output_path)
+    return p.with_name(p.stem + "_materialized_inputs.jsonl")
+
+
+def write_materialized_inputs(job, output_path, agent_name: str | None) -> Path:
+    """`<out>_materialized_inputs.jsonl`: the body sent for each (task, repeat), in NeMo Gym's order."""
+    from controlplane.datasets.services import iter_rows
+    from workers.engine.materialize import materialize, merge_overrides
+
+    path = materialized_path(output_path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    overrides = dict(job.responses_create_params or {})
+    end = min(job.limit, job.dataset.row_count) if job.limit else None
+    with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as f:
+        for item in materialize(iter_rows(job.dataset, 0, end), job.num_repeats):
+            if job.endpoint.is_nemo_gym:
+                body = run_body(item.row, agent_name, overrides, item.task_index, item.rollout_index)
+            else:
+                body = merge_overrides(item.row, overrides)
+                body = {**body, "_ng_task_index": item.task_index, "_ng_rollout_index": item.rollout_index}
+                if agent_name:
+                    body.setdefault(AGENT_REF, {"name": agent_name})
+            f.write(json.dumps(body, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path

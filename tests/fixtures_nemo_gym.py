@@ -1,0 +1,86 @@
+"""Real NeMo Gym (nemo-gym 0.4.0, `ng_run`) for the `nemo_gym` tests, started by scripts/nemo_gym.sh.
+
+- `nemo_gym`: session scope. The built-in simulator as the policy model, and `ng_run` with
+  math_with_judge (its `math_with_judge_simple_agent`), a second agent `math_second_agent` on the same
+  resources server, and the vllm_model model server, on a free head port. Skips, with the reason, only
+  where no Python >= 3.12 exists; builds .venv-nemo-gym first when it is missing (about 3 min).
+
+NemoGym: `.head_url`, `.head_host`, `.head_port`, `.sim` (SimulatorProcess), `.venv_bin` (ng_* commands),
+`.env()` (environment to run ng_collect_rollouts), `.deployment()` (resolved now), `.stop()`, `.start()`,
+`.restart()`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_simulator import REPO_ROOT, start_simulator
+from tests.fixtures_vllm import free_port
+
+SCRIPT = REPO_ROOT / "scripts" / "nemo_gym.sh"
+SECOND_AGENT_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_second_agent.yaml"
+AGENT = "math_with_judge_simple_agent"
+SECOND_AGENT = "math_second_agent"
+
+
+def _script(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=str(REPO_ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class NemoGym:
+    def __init__(self, sim, run_dir: str):
+        self.sim = sim
+        self.run_dir = run_dir
+        self.head_host = "127.0.0.1"
+        self.head_port = free_port()
+        self.head_url = f"http://{self.head_host}:{self.head_port}"
+        self.venv_bin = REPO_ROOT / ".venv-nemo-gym" / "bin"
+
+    def env(self) -> dict:
+        base = _script("python").stdout.strip()
+        return {**os.environ, "NEMO_GYM_RUN_DIR": self.run_dir, "NEMO_GYM_HEAD_PORT": str(self.head_port),
+                "NEMO_GYM_MODEL": self.sim.model, "NEMO_GYM_EXTRA_CONFIGS": str(SECOND_AGENT_CONFIG),
+                "UV_PYTHON_DOWNLOADS": "never",
+                "PATH": f"{self.venv_bin}:{Path(base).parent}:{os.environ.get('PATH', '')}"}
+
+    def start(self) -> None:
+        res = _script("start", self.sim.base_url, env=self.env())
+        if res.returncode != 0:
+            raise RuntimeError(f"ng_run did not start:\n{res.stderr[-4000:]}")
+
+    def stop(self) -> None:
+        _script("stop", env=self.env(), timeout=60)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def deployment(self):
+        from workers.nemo_gym.deployment import resolve_sync
+
+        return resolve_sync(self.head_url)
+
+
+@pytest.fixture(scope="session")
+def nemo_gym():
+    res = _script("python")
+    if res.returncode == 3:
+        pytest.skip(res.stderr.strip() or "no Python >= 3.12 for nemo-gym")
+    setup = _script("setup", timeout=1200)
+    if setup.returncode != 0:
+        raise RuntimeError(f"scripts/nemo_gym.sh setup failed:\n{setup.stderr[-4000:]}")
+    # every arithmetic answer right: a reward then depends only on the row (its expected_answer), so two
+    # collections of the same file agree row by row
+    sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0, math_accuracy=1.0)
+    ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-run-"))
+    try:
+        ng.start()
+        yield ng
+    finally:
+        ng.stop()
+        sim.stop()

@@ -1,0 +1,151 @@
+"""A NeMo Gym deployment as seen from its head server.
+
+`GET {head}/global_config_dict_yaml` answers a JSON string holding the whole merged config as YAML. Each
+server instance is a top-level entry `name: {server_type: {impl_name: {host, port, ...}}}` where
+server_type is `responses_api_agents`, `resources_servers` or `responses_api_models`. The config also holds
+`policy_api_key` and other secrets in clear: only names, types and addresses are kept from it, and
+nothing of it is logged.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import aiohttp
+import yaml
+
+SERVER_TYPES = {"responses_api_agents": "agent", "resources_servers": "resources", "responses_api_models": "model"}
+DEFAULT_HEAD_HOST = "127.0.0.1"  # NeMo Gym's head_server defaults
+DEFAULT_HEAD_PORT = 11000
+
+
+class DeploymentError(Exception):
+    """The head server cannot be reached or does not answer like a NeMo Gym head server."""
+
+
+@dataclass
+class Server:
+    name: str
+    kind: str  # agent | resources | model
+    url: str  # http://host:port
+    impl: str = ""  # e.g. simple_agent, math_with_judge, vllm_model
+    refs: dict[str, str] = field(default_factory=dict)  # an agent's resources_server / model_server names
+
+
+@dataclass
+class Deployment:
+    head_url: str
+    servers: dict[str, Server]
+
+    def by_kind(self, kind: str) -> dict[str, Server]:
+        return {n: s for n, s in self.servers.items() if s.kind == kind}
+
+    @property
+    def agents(self) -> dict[str, str]:
+        """agent name -> base URL"""
+        return {n: s.url for n, s in self.servers.items() if s.kind == "agent"}
+
+    def public(self) -> dict:
+        """Names, kinds and addresses only (safe to store and show)."""
+        return {"head_url": self.head_url,
+                "servers": [{"name": s.name, "kind": s.kind, "impl": s.impl, "url": s.url, "refs": s.refs}
+                            for s in self.servers.values()]}
+
+
+def head_url(host: str | None = None, port: int | str | None = None) -> str:
+    return f"http://{host or DEFAULT_HEAD_HOST}:{int(port or DEFAULT_HEAD_PORT)}"
+
+
+def _host_for_url(host: str, head: str) -> str:
+    # servers bound to all interfaces are reached at the head server's host
+    if host in ("0.0.0.0", "::", ""):
+        from urllib.parse import urlsplit
+
+        return urlsplit(head).hostname or "127.0.0.1"
+    return host
+
+
+def parse_config(head: str, payload) -> Deployment:
+    """The deployment from the body of /global_config_dict_yaml (a JSON string of YAML, or the YAML text)."""
+    text = payload
+    if isinstance(payload, (bytes, bytearray)):
+        text = payload.decode("utf-8", "replace")
+    if isinstance(text, str):
+        try:
+            decoded = json.loads(text)
+            text = decoded if isinstance(decoded, str) else text
+        except ValueError:
+            pass
+    try:
+        cfg = yaml.safe_load(text) if isinstance(text, str) else text
+    except yaml.YAMLError as exc:
+        raise DeploymentError(f"{head}/global_config_dict_yaml is not YAML: {type(exc).__name__}") from None
+    if not isinstance(cfg, dict):
+        raise DeploymentError(f"{head}/global_config_dict_yaml does not hold a config mapping")
+    servers: dict[str, Server] = {}
+    for name, entry in cfg.items():
+        if not isinstance(entry, dict) or len(entry) != 1:
+            continue
+        (stype, impls), = entry.items()
+        if stype not in SERVER_TYPES or not isinstance(impls, dict) or not impls:
+            continue
+        impl, inner = next(iter(impls.items()))
+        if not isinstance(inner, dict) or "host" not in inner or "port" not in inner:
+            continue
+        refs = {}
+        for key in ("resources_server", "model_server"):
+            ref = inner.get(key)
+            if isinstance(ref, dict) and isinstance(ref.get("name"), str):
+                refs[key] = ref["name"]
+        servers[str(name)] = Server(name=str(name), kind=SERVER_TYPES[stype], impl=str(impl), refs=refs,
+                                    url=f"http://{_host_for_url(str(inner['host']), head)}:{int(inner['port'])}")
+    if not servers:
+        raise DeploymentError(f"{head} lists no NeMo Gym servers in its config")
+    return Deployment(head_url=head, servers=servers)
+
+
+async def resolve(head: str, *, timeout_s: float = 10.0, session: aiohttp.ClientSession | None = None) -> Deployment:
+    """The deployment behind a head server URL (async)."""
+    head = head.rstrip("/")
+    own = session is None
+    session = session or aiohttp.ClientSession()
+    try:
+        async with session.get(f"{head}/global_config_dict_yaml", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {resp.status}")
+            body = await resp.read()
+    except DeploymentError:
+        raise
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise DeploymentError(f"cannot reach the NeMo Gym head server {head}: {type(exc).__name__}: {exc}") from None
+    finally:
+        if own:
+            await session.close()
+    return parse_config(head, body)
+
+
+def resolve_sync(head: str, *, timeout_s: float = 10.0) -> Deployment:
+    """The deployment behind a head server URL (blocking, for Django views and commands)."""
+    import requests
+
+    head = head.rstrip("/")
+    try:
+        resp = requests.get(f"{head}/global_config_dict_yaml", timeout=timeout_s)
+    except requests.RequestException as exc:
+        raise DeploymentError(f"cannot reach the NeMo Gym head server {head}: {type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {resp.status_code}")
+    return parse_config(head, resp.content)
+
+
+def server_instances_sync(head: str, *, timeout_s: float = 10.0) -> list[dict]:
+    """`GET {head}/server_instances`: every server the head started (name, host, port, pid ...)."""
+    import requests
+
+    try:
+        resp = requests.get(f"{head.rstrip('/')}/server_instances", timeout=timeout_s)
+        resp.raise_for_status()
+        data = resp.json()
+    except (requests.RequestException, ValueError) as exc:
+        raise DeploymentError(f"{head}/server_instances: {type(exc).__name__}") from None
+    return data if isinstance(data, list) else []

@@ -1,0 +1,284 @@
+"""Engine runs for NeMo Gym environments, on the built-in engine's machinery (slots, residency, pacing,
+control, progress, sink): only what one task does differs.
+
+* `AgentRun` (endpoint flavor `nemo_gym_agent` / `nemo_gym_head`): each (task, repeat) is one
+  `POST {agent}/run` whose answer is the verified rollout. Rows are routed by their own `agent_ref` or, when
+  they have none, by the endpoint's agent name (EndpointSpec.model). With a head server, the agents are
+  found at run start and found again when an agent stops answering (a restarted `ng_run` gives its servers
+  new ports). Failures are recorded by class (HTTP status, timeout, connection, the agent's own
+  `_ng_failure_class`) after bounded retries with backoff; the run goes on.
+* `RemoteVerifyRun` (verifier `nemo_gym`): the model is driven by the built-in engine and each response is
+  scored by a resources server's `POST /verify`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+
+import aiohttp
+
+from workers.engine.pacing import backoff_delay
+from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason
+from workers.engine.types import FailureClass, RolloutResult, RunSummary, TaskItem
+
+from . import HEAD_FLAVOR
+from .deployment import DeploymentError, resolve
+from .rows import FAILURE_CLASS_KEY, agent_of, output_row, run_body, verify_fields
+
+RERESOLVE_MIN_INTERVAL_S = 2.0
+
+
+def _number(value):
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class _EmitMixin:
+    async def _emit(self, result: RolloutResult) -> None:
+        if result.ok:
+            self.completed += 1
+            self.tick_ok += 1
+            self.tick_tokens += result.output_tokens or 0
+        else:
+            self.failed += 1
+            self.other_outcomes += 1
+        self.tick_finished += 1
+        me = asyncio.current_task()
+        self.workers[me] = "emit"
+        try:
+            await self.sink.rollout(result)
+        except Exception as exc:
+            if self.sink_error is None:
+                self.sink_error = exc
+            self._stop(cancel=True)
+            raise _Abandon() from exc
+        finally:
+            if me in self.workers:
+                self.workers[me] = "busy"
+
+
+class AgentRun(_EmitMixin, _Run):
+    def __init__(self, spec, sink, control, verify_pool=None):
+        # the agent verifies; its answer is one JSON body (no streaming)
+        super().__init__(replace(spec, verifier="none", verify_mode="deferred", stream=False), sink, control, verify_pool)
+        self.head = self.base_urls[0] if self.ep.api_flavor == HEAD_FLAVOR else None
+        self.default_agent = self.ep.model or None
+        self.agent_urls: dict[str | None, list[str]] = {}
+        self.resolved_at = 0.0
+        self.resolve_lock = asyncio.Lock()
+
+    async def _resolve(self, session=None) -> None:
+        dep = await resolve(self.head, timeout_s=max(2.0, self.ep.connect_timeout_s), session=session)
+        self.agent_urls = {name: [url] for name, url in dep.agents.items()}
+        self.resolved_at = time.monotonic()
+
+    async def _reresolve(self) -> None:
+        """An agent stopped answering: ask the head server again (throttled; errors leave the old map)."""
+        async with self.resolve_lock:
+            if time.monotonic() - self.resolved_at < RERESOLVE_MIN_INTERVAL_S:
+                return
+            self.resolved_at = time.monotonic()
+            try:
+                await self._resolve(self.session)
+            except DeploymentError:
+                pass
+
+    async def run(self, tasks) -> RunSummary:
+        if self.head is not None:
+            try:
+                await self._resolve()
+            except DeploymentError as exc:
+                await self.sink.close()
+                return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0,
+                                  fatal_error=str(exc))
+            if self.default_agent and self.default_agent not in self.agent_urls:
+                await self.sink.close()
+                known = ", ".join(sorted(a for a in self.agent_urls if a)) or "none"
+                return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0,
+                                  fatal_error=f"the deployment at {self.head} has no agent {self.default_agent!r} "
+                                              f"(agents: {known})")
+        else:
+            self.agent_urls = {None: self.base_urls}
+        return await super().run(tasks)
+
+    def _urls_for(self, agent: str | None) -> list[str] | None:
+        if self.head is None:
+            return self.agent_urls[None]
+        return self.agent_urls.get(agent)
+
+    async def _process(self, item: TaskItem, t_enqueued: float):
+        body = run_body(item.row, self.default_agent, self.spec.responses_create_params, item.task_index,
+                        item.rollout_index)
+        result = RolloutResult(task_index=item.task_index, rollout_index=item.rollout_index, ok=False,
+                               output_row=body, attempts=0)
+        agent = agent_of(body, self.default_agent)
+        routable = True
+        if self.head is not None and (agent is None or self._urls_for(agent) is None):
+            routable = False
+            result.failure_class = FailureClass.BAD_INPUT
+            known = ", ".join(sorted(a for a in self.agent_urls if a)) or "none"
+            result.error = (f"the row names no agent (no agent_ref and no agent name on the job)" if agent is None else
+                            f"the row routes to agent {agent!r}, which the deployment does not have (agents: {known})")
+        if routable and self.rpm is not None:
+            await self.rpm.acquire(1)
+        t_slot = time.monotonic()
+        result.queue_ms = (t_slot - t_enqueued) * 1000.0
+        self.in_flight += 1
+        self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        try:
+            answer, unreachable = (await self._run_with_retries(agent, body, result)) if routable else (None, False)
+            if answer is not None:
+                self._take_answer(answer, body, result)
+            elif unreachable and self.completed == 0 and self.other_outcomes == 0:
+                if not self.fatal_error:
+                    self.fatal_error = result.error
+                self._stop(cancel=True)
+                raise _Abandon()
+            result.wall_ms = (time.monotonic() - t_slot) * 1000.0
+        finally:
+            self.in_flight -= 1
+        await self._emit(result)
+
+    def _take_answer(self, answer, body: dict, result: RolloutResult) -> None:
+        if not isinstance(answer, dict):
+            result.failure_class = FailureClass.BAD_RESPONSE
+            result.error = f"the agent answered {type(answer).__name__}, not a JSON object"
+            return
+        out = output_row(answer, body)
+        result.output_row = out
+        usage = (answer.get("response") or {}).get("usage") if isinstance(answer.get("response"), dict) else None
+        if isinstance(usage, dict):
+            result.input_tokens = usage.get("input_tokens")
+            result.output_tokens = usage.get("output_tokens")
+        failure = answer.get(FAILURE_CLASS_KEY)
+        if failure:
+            result.failure_class = f"agent:{failure}"[:40]
+            result.error = str(answer.get("error") or answer.get("_ng_failure_message") or f"agent failure {failure}")[:2000]
+            return
+        result.reward = _number(answer.get("reward"))
+        result.ok = True
+
+    async def _run_with_retries(self, agent, body: dict, result: RolloutResult):
+        ep = self.ep
+        attempt = 0
+        while True:
+            urls = self._urls_for(agent) or []
+            if not urls:
+                result.failure_class = FailureClass.BAD_INPUT
+                result.error = f"agent {agent!r} is no longer in the deployment"
+                return None, False
+            url = urls[attempt % len(urls)] + "/run"
+            result.attempts = attempt + 1
+            try:
+                return await self._attempt(url, body, result), False
+            except _AttemptError as err:
+                self.tick_errors[err.failure_class] += 1
+                if err.unreachable and self.head is not None:
+                    await self._reresolve()
+                if not err.retryable or attempt >= ep.max_retries:
+                    result.failure_class = err.failure_class
+                    retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
+                    result.error = (f"cannot reach agent {agent or ''} at {url}: {err}{retries}" if err.unreachable
+                                    else f"{err}{retries}")
+                    return None, err.unreachable
+                retry_after = err.retry_after
+            delay = backoff_delay(attempt, ep.backoff_base_s, ep.backoff_max_s, retry_after)
+            attempt += 1
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), delay)
+            except asyncio.TimeoutError:
+                continue
+            raise _Abandon()
+
+
+class RemoteVerifyRun(_Run):
+    """Generation by the built-in engine; scoring by `POST {resources server}/verify`.
+
+    verifier_options: {"url": "http://host:port"} (a resources server), or {"head_url": ..., "server": name}
+    (found through the head server; `server` may be omitted when the deployment has one resources server)."""
+
+    def __init__(self, spec, sink, control, verify_pool=None):
+        super().__init__(replace(spec, verifier="none"), sink, control, verify_pool)
+        self.spec = spec
+        self.verifier = object()  # makes the base run call _verify
+        self.verify_url: str | None = (spec.verifier_options or {}).get("url")
+
+    async def run(self, tasks) -> RunSummary:
+        opts = self.spec.verifier_options or {}
+        if not self.verify_url:
+            head = opts.get("head_url")
+            err = ""
+            if not head:
+                err = "the nemo_gym verifier needs verifier_options.url (a resources server) or .head_url"
+            else:
+                try:
+                    dep = await resolve(head)
+                    servers = dep.by_kind("resources")
+                    name = opts.get("server") or (next(iter(servers)) if len(servers) == 1 else None)
+                    if name not in servers:
+                        err = (f"the deployment at {head} has no resources server {name!r} "
+                               f"(resources servers: {', '.join(sorted(servers)) or 'none'})")
+                    else:
+                        self.verify_url = servers[name].url
+                except DeploymentError as exc:
+                    err = str(exc)
+            if err:
+                await self.sink.close()
+                return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=err)
+        self.verify_url = self.verify_url.rstrip("/")
+        self.verify_timeout = aiohttp.ClientTimeout(total=self.ep.request_timeout_s, sock_connect=self.ep.connect_timeout_s)
+        return await super().run(tasks)
+
+    async def _verify(self, row: dict, response: dict, result: RolloutResult):
+        t0 = time.monotonic()
+        body = dict(row)
+        # /verify validates a full Responses API object: fields a chat or completions answer has no
+        # counterpart for get the API's defaults (the stored response is left as it is)
+        body["response"] = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], **response}
+        url = self.verify_url + "/verify"
+        attempt, error, failure = 0, "", FailureClass.VERIFIER_ERROR
+        while True:
+            try:
+                async with self.session.post(url, json=body, timeout=self.verify_timeout) as resp:
+                    text = await resp.read()
+                    if resp.status == 200:
+                        answer = json.loads(text)
+                        reward = _number(answer.get("reward")) if isinstance(answer, dict) else None
+                        if reward is None:
+                            raise ValueError("the answer has no numeric reward")
+                        result.output_row.update(verify_fields(answer))
+                        result.output_row["reward"] = reward
+                        result.reward = reward
+                        result.verify_ms = (time.monotonic() - t0) * 1000.0
+                        return
+                    error = f"HTTP {resp.status} from {url}: {text[:300].decode('utf-8', 'replace')}"
+                    retryable = resp.status >= 500 or resp.status in (408, 429)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                error, retryable = f"{url}: {type(exc).__name__}: {_error_reason(exc)}", True
+            except (ValueError, TypeError, AttributeError) as exc:
+                error, retryable = f"bad answer from {url}: {exc}", False
+            if not retryable or attempt >= self.ep.max_retries:
+                break
+            await asyncio.sleep(backoff_delay(attempt, self.ep.backoff_base_s, self.ep.backoff_max_s))
+            attempt += 1
+        result.ok = False
+        result.failure_class = failure
+        result.error = f"remote verifier: {error}"[:2000]
+        result.reward = 0.0
+        result.output_row["reward"] = 0.0
+        self.tick_errors[failure] += 1
+        result.verify_ms = (time.monotonic() - t0) * 1000.0
+
+
+def run_class(spec):
+    """The run class for a spec, or None for the built-in one."""
+    from . import FLAVORS, REMOTE_VERIFIER
+
+    if spec.endpoint.api_flavor in FLAVORS:
+        return AgentRun
+    if spec.verifier == REMOTE_VERIFIER and spec.verify_mode != "deferred":
+        return RemoteVerifyRun
+    return None
