@@ -83,6 +83,8 @@ if (panel && !panel.dataset.wired) {
     await refresh();
   }
 
+  // Enter in the seconds field must not submit the form (no inline handler: the CSP forbids them).
+  panel.querySelector("#profiling-controls").addEventListener("submit", (e) => e.preventDefault());
   panel.querySelector("#profile-start").addEventListener("click", () => {
     const f = panel.querySelector("#profiling-controls");
     send("POST", { seconds: Number(f.seconds.value), scope: f.scope.value, clock: f.clock.value });
