@@ -113,7 +113,10 @@ def test_planted_slow_verifier_flagged_then_fixed_one_compared(user, api, math_d
     fn = {f["name"]: f for f in cmp["functions"]}
     for name in ("is_known_answer", "normalize_answer"):
         assert fn[name]["verdict"] == "faster", fn[name]
-        assert fn[name]["b"]["tavg"] < fn[name]["a"]["tavg"] / 5 and fn[name]["d_tavg"] < 0
+    # the set lookup makes each call cheap (the cached function's figures are scaled from sampled
+    # verifications, so only its verdict is asserted)
+    assert fn["is_known_answer"]["b"]["tavg"] < fn["is_known_answer"]["a"]["tavg"] / 5
+    assert fn["is_known_answer"]["d_tavg"] < 0
     assert cmp["throughput_ratio"] > 1.2, (cmp["a"], cmp["b"])
     print(f"throughput {cmp['a']['throughput']:.0f} -> {cmp['b']['throughput']:.0f} rollouts/s; "
           f"is_known_answer tavg {fn['is_known_answer']['a']['tavg'] * 1e3:.3f} -> "
