@@ -416,10 +416,22 @@ def _match(a_rows, b_rows):
     return out
 
 
-def compare(a_rows, b_rows, *, a_total=None, b_total=None, tolerance=0.1) -> list[dict]:
-    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone."""
+def compare(a_rows, b_rows, *, a_total=None, b_total=None, a_units=None, b_units=None,
+            tolerance=0.1) -> list[dict]:
+    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone.
+
+    With the number of verifications behind each profile (a_units, b_units), the verdict compares a
+    function's time per verification: a cache or a hoisted call lowers that while each remaining call
+    costs the same, so per-call averages alone would call it "same" or even "slower". Without them the
+    verdict compares the average time per call.
+    """
     a_total = a_total or sum(max(0.0, r.tsub) for r in a_rows) or 1.0
     b_total = b_total or sum(max(0.0, r.tsub) for r in b_rows) or 1.0
+    per_unit = bool(a_units and b_units)
+
+    def cost(row, units):
+        return row.ttot / units if per_unit else row.tavg
+
     out = []
     for x, y in _match(a_rows, b_rows):
         r = y or x
@@ -427,18 +439,20 @@ def compare(a_rows, b_rows, *, a_total=None, b_total=None, tolerance=0.1) -> lis
             verdict = "new"
         elif y is None:
             verdict = "gone"
-        elif y.tavg < x.tavg * (1 - tolerance):
+        elif cost(y, b_units) < cost(x, a_units) * (1 - tolerance):
             verdict = "faster"
-        elif y.tavg > x.tavg * (1 + tolerance):
+        elif cost(y, b_units) > cost(x, a_units) * (1 + tolerance):
             verdict = "slower"
         else:
             verdict = "same"
         out.append({
             "name": r.name, "module": short_module(r.module), "line": r.line, "verdict": verdict,
             "a": None if x is None else {"ncall": round(x.ncall), "tsub": x.tsub, "ttot": x.ttot, "tavg": x.tavg,
-                                         "share": x.ttot / a_total},
+                                         "share": x.ttot / a_total,
+                                         "per_verification": x.ttot / a_units if per_unit else None},
             "b": None if y is None else {"ncall": round(y.ncall), "tsub": y.tsub, "ttot": y.ttot, "tavg": y.tavg,
-                                         "share": y.ttot / b_total},
+                                         "share": y.ttot / b_total,
+                                         "per_verification": y.ttot / b_units if per_unit else None},
             "d_ttot": (y.ttot if y else 0.0) - (x.ttot if x else 0.0),
             "d_tavg": (y.tavg if y else 0.0) - (x.tavg if x else 0.0),
             "d_ncall": round((y.ncall if y else 0) - (x.ncall if x else 0)),
@@ -467,7 +481,7 @@ def compare_jobs(a_job, b_job) -> dict:
         "b": {"job": b_job.pk, "verifier": b_job.verifier, "throughput": tb, "total_s": b["total_s"],
               "verifications": b["verifications"], "overhead_pct": b["overhead_pct"]},
         "throughput_ratio": (tb / ta) if ta and tb else None,
-        "functions": compare(a_rows, b_rows),
+        "functions": compare(a_rows, b_rows, a_units=a["verifications"], b_units=b["verifications"]),
     }
 
 

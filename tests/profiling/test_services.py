@@ -163,13 +163,19 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
 
     services.record(a.pk, [snap(services.start(a), [
         FuncRow("/x/v.py", 1, "verify", 10, 0.1, 2.0, 0.2, [["/x/v.py", 5, "lookup", 10, 1.9]]),
-        FuncRow("/x/v.py", 5, "lookup", 10, 1.9, 1.9, 0.19), FuncRow("/x/v.py", 9, "old", 5, 0.1, 0.1, 0.02)])])
+        FuncRow("/x/v.py", 5, "lookup", 10, 1.9, 1.9, 0.19), FuncRow("/x/v.py", 9, "old", 5, 0.1, 0.1, 0.02),
+        FuncRow("/x/v.py", 13, "normalize", 20, 0.4, 0.4, 0.02)])])
     services.record(b.pk, [snap(services.start(b), [
         FuncRow("/y/v2.py", 1, "verify", 10, 0.1, 0.3, 0.03), FuncRow("/y/v2.py", 7, "lookup", 10, 0.2, 0.2, 0.02),
-        FuncRow("/y/v2.py", 11, "new", 20, 0.1, 0.1, 0.005)])])
+        FuncRow("/y/v2.py", 11, "new", 20, 0.1, 0.1, 0.005),
+        # cached: half the calls over the same 10 verifications, each call as dear as before
+        FuncRow("/y/v2.py", 15, "normalize", 10, 0.2, 0.2, 0.02)])])
     fn = {f["name"]: f for f in services.compare_jobs(a, b)["functions"]}
+    assert fn["normalize"]["verdict"] == "faster" and fn["normalize"]["d_tavg"] == pytest.approx(0)
+    assert fn["normalize"]["a"]["per_verification"] == pytest.approx(0.04)
+    assert fn["normalize"]["b"]["per_verification"] == pytest.approx(0.02)
     assert fn["lookup"]["verdict"] == "faster" and fn["lookup"]["d_tavg"] == pytest.approx(-0.17)
-    assert fn["lookup"]["a"]["share"] == pytest.approx(1.9 / 2.1) and fn["lookup"]["d_ncall"] == 0
+    assert fn["lookup"]["a"]["share"] == pytest.approx(1.9 / 2.5) and fn["lookup"]["d_ncall"] == 0
     assert fn["old"]["verdict"] == "gone" and fn["new"]["verdict"] == "new" and fn["new"]["d_ncall"] == 20
 
 
