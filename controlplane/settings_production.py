@@ -24,10 +24,6 @@ SESSION_COOKIE_HTTPONLY = True
 SECURE_HSTS_SECONDS = env.int("DJANGO_HSTS_SECONDS", default=31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=True)
 SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
-# The public origin(s) the dashboard's forms post from when they differ from the Host (another port,
-# a second name): "https://cp.example.com".
-CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
-
 # One cache for every web process: DRF's throttles (they use the default cache) and the dashboard's cached
 # figures live in Redis, so N web processes enforce one limit, not N. Short socket timeouts: a Redis
 # outage fails a request quickly instead of hanging it.

@@ -18,15 +18,11 @@ def start_worker_exporter(sender=None, **kwargs):
     port = getattr(settings, "WORKER_METRICS_PORT", 0)
     if not port:
         return
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.multiprocess import MultiProcessCollector
-
     from . import metrics  # noqa: F401 - sets up the multi-process directory
+    from .exporter import serve
 
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(settings.PROMETHEUS_MULTIPROC_DIR))
     try:
-        start_http_server(port, addr=settings.WORKER_METRICS_ADDR, registry=registry)
+        serve(str(settings.PROMETHEUS_MULTIPROC_DIR), port, settings.WORKER_METRICS_ADDR)
         logger.info("worker metrics on http://%s:%s/metrics", settings.WORKER_METRICS_ADDR, port)
     except OSError as exc:
         logger.info("worker metrics port %s not bound (%s): another worker on this host serves it", port, exc)

@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import sys
+import subprocess
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -24,7 +26,7 @@ from controlplane.dashboard.heartbeat import alive_workers
 from controlplane.jobs import services
 from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 from tests.controlplane.test_jobs_e2e import Proc
-from tests.dashboard.servers import database_url
+from tests.dashboard.servers import database_url, free_port
 
 N_TASKS, N_REPEATS, CHUNK = 600, 2, 100
 
@@ -47,6 +49,11 @@ def scrape(settings, prom_dir) -> dict:
     r = Client().get("/metrics")  # REMOTE_ADDR 127.0.0.1: inside the default allow-list
     assert r.status_code == 200 and r["Content-Type"].startswith("text/plain; version="), r.content[:500]
     return samples(r.content.decode())
+
+
+def fetch(url) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return samples(r.read().decode())
 
 
 def per_process_files(prom_dir, tmp_path) -> dict[int, dict]:
@@ -83,7 +90,8 @@ def test_metrics_after_a_real_job_on_two_worker_processes(user, math_dataset, si
     prom_dir = tmp_path / "prom"
     prom_dir.mkdir()
     queue = f"metrics-e2e-{uuid.uuid4().hex[:10]}"
-    env = {**os.environ, "DATABASE_URL": database_url(settings.DATABASES["default"]),
+    worker_port = free_port()  # both workers try it: the first binds and serves the host's files, the other goes on
+    env = {"WORKER_METRICS_PORT": str(worker_port), **os.environ, "DATABASE_URL": database_url(settings.DATABASES["default"]),
            "CELERY_TASK_DEFAULT_QUEUE": queue, "PROMETHEUS_MULTIPROC_DIR": str(prom_dir), "PYTHONUNBUFFERED": "1",
            "WORKER_HEARTBEAT_INTERVAL_S": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", queue,
@@ -113,6 +121,11 @@ def test_metrics_after_a_real_job_on_two_worker_processes(user, math_dataset, si
         live = scrape(settings, prom_dir)  # workers still running
         assert value(live, "controlplane_workers") == alive_workers().count() == 2
         assert value(live, "controlplane_worker_slots") == 4
+        # a worker host's own exporter (WORKER_METRICS_PORT) serves the same summed counters
+        from_worker = fetch(f"http://127.0.0.1:{worker_port}/metrics")
+        for outcome in ("ok", "failed"):
+            assert value(from_worker, "controlplane_rollouts_total", outcome=outcome) == \
+                value(live, "controlplane_rollouts_total", outcome=outcome)
     finally:
         for w in workers:
             w.stop()
@@ -147,6 +160,19 @@ def test_metrics_after_a_real_job_on_two_worker_processes(user, math_dataset, si
         assert value(parsed, "controlplane_chunks_waiting") == 0
         assert value(parsed, "controlplane_database_up") == 1
     assert value(after, "controlplane_workers") == 0  # stopped workers say so on shutdown
+
+    # the standalone exporter a second machine runs (python -m controlplane.monitoring.exporter)
+    port = free_port()
+    exporter = subprocess.Popen([sys.executable, "-m", "controlplane.monitoring.exporter", "--dir", str(prom_dir),
+                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving" in exporter.stdout.readline()
+        exported = fetch(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+    assert value(exported, "controlplane_rollouts_total", outcome="ok") == ok
+    assert value(exported, "controlplane_rollout_failures_total", failure_class="http_5xx") == by_class["http_5xx"]
 
     # the sum is over processes: each worker's own file holds exactly the rows that worker stored
     own = per_process_files(prom_dir, tmp_path)
