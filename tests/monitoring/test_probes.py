@@ -1,7 +1,12 @@
 """Who may read /metrics, and what /healthz says when a part is down (a real closed port, no mock)."""
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.test import Client
@@ -60,3 +65,19 @@ def test_healthz_reports_redis_down(settings):
     assert r.status_code == 503 and body["ok"] is False
     assert body["checks"]["redis"] == {"ok": False, "error": "ConnectionError"}
     assert body["checks"]["database"]["ok"] is True
+
+
+def test_database_down_reported_by_healthz_and_metrics(tmp_path):
+    """A process whose PostgreSQL does not answer (a closed port): /healthz 503 naming the database,
+    /metrics still answers with controlplane_database_up 0 (Prometheus sees the outage, not a failed scrape)."""
+    code = ("import json; from django.test import Client; c = Client(); h = c.get('/healthz'); m = c.get('/metrics'); "
+            "print(json.dumps([h.status_code, h.json(), m.status_code, m.content.decode()]))")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+           "DATABASE_URL": f"postgres://postgres@127.0.0.1:{_closed_port()}/nothing"}
+    r = subprocess.run([sys.executable, "-c", "import django; django.setup(); " + code], cwd=Path(__file__).parents[2],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    h_status, h_body, m_status, m_text = json.loads(r.stdout.strip().splitlines()[-1])
+    assert h_status == 503 and h_body["checks"]["database"] == {"ok": False, "error": "OperationalError"}
+    assert h_body["checks"]["redis"]["ok"] is True
+    assert m_status == 200 and "controlplane_database_up 0.0" in m_text and "controlplane_jobs{" not in m_text
