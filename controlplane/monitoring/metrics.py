@@ -48,8 +48,9 @@ ROLLOUTS = Counter("controlplane_rollouts", "Rollouts stored (each (job, task, r
 ROLLOUT_FAILURES = Counter("controlplane_rollout_failures", "Failed rollouts stored, by failure class "
                            "(http_429, http_5xx, timeout, connection, verifier_error, ...)",
                            ["failure_class"], registry=_NO_REGISTRY)
-CHUNK_RUNS = Counter("controlplane_chunk_runs", "Chunk runs ended by a worker, by outcome (done, failed, "
-                     "paused, cancelled, lost_lease, incomplete, busy, skipped)", ["outcome"], registry=_NO_REGISTRY)
+CHUNK_RUNS = Counter("controlplane_chunk_runs", "Chunk runs ended, by outcome (done, failed, paused, cancelled, "
+                     "lost_lease, incomplete; busy: another worker held it, e.g. a duplicate message or the CLI "
+                     "waiting; skipped: already done or the job not runnable)", ["outcome"], registry=_NO_REGISTRY)
 CHUNK_LEASE_LAG = Histogram("controlplane_chunk_lease_lag_seconds", "Time from a chunk's dispatch to a worker "
                             "taking its lease", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800),
                             registry=_NO_REGISTRY)
