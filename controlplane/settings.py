@@ -45,9 +45,12 @@ INSTALLED_APPS = [
     "controlplane.api",
     "controlplane.diagnostics",
     "controlplane.profiling",
+    "controlplane.monitoring",
 ]
 
 MIDDLEWARE = [
+    # /healthz and /metrics for probes and Prometheus, before host checks and the HTTPS redirect
+    "controlplane.monitoring.middleware.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -213,6 +216,23 @@ JOBS_MAX_ACTIVE_PER_USER = env.int("JOBS_MAX_ACTIVE_PER_USER", default=20)
 JOBS_MAX_PARALLELISM_PER_USER = env.int("JOBS_MAX_PARALLELISM_PER_USER", default=8192)
 # A model response larger than this is a failed attempt (bad_response), never read whole.
 ENGINE_MAX_RESPONSE_BYTES = env.int("ENGINE_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
+
+# --- Cache: DRF throttles and django-axes counters, dashboard figures. Local memory on a laptop (one web
+# process); production settings put it on Redis so several web processes share one set of limits.
+CACHES = {"default": env.cache("CACHE_URL", default="locmemcache://")}
+
+# --- Operators' metrics (controlplane.monitoring): GET /metrics for Prometheus, GET /healthz ----------
+# Event counters are written by every web and worker process into this directory (prometheus-client's
+# multi-process mode) and summed per scrape; empty it when the deployment starts, not while it runs.
+# Processes on one host share it; each host's workers are scraped on their own (see README).
+PROMETHEUS_MULTIPROC_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "prometheus"))
+# Who may scrape: a request carrying "Authorization: Bearer <METRICS_TOKEN>", or a client address inside
+# these networks (the real client's, through WEB_TRUSTED_PROXIES). Loopback only by default.
+METRICS_TOKEN = env("METRICS_TOKEN", default="")
+METRICS_ALLOWED_NETWORKS = env.list("METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
+# A worker on another machine serves its host's counters here (0: off; the web's /metrics has this host's).
+WORKER_METRICS_PORT = env.int("WORKER_METRICS_PORT", default=0)
+WORKER_METRICS_ADDR = env("WORKER_METRICS_ADDR", default="127.0.0.1")
 
 CHANNEL_LAYERS = {
     "default": {

@@ -6,7 +6,7 @@ Refuses to start without a real DJANGO_SECRET_KEY. `manage.py check --deploy` is
 Expects a TLS-terminating proxy (docker/Caddyfile) that sets X-Forwarded-Proto and X-Forwarded-For.
 """
 from .settings import *  # noqa: F401,F403
-from .settings import REST_FRAMEWORK, env
+from .settings import REDIS_URL, REST_FRAMEWORK, env
 
 # Checked when Django starts (controlplane.api.apps): every process on these settings - web server,
 # workers, manage.py - refuses to start with the published laptop key or a weak one.
@@ -24,6 +24,20 @@ SESSION_COOKIE_HTTPONLY = True
 SECURE_HSTS_SECONDS = env.int("DJANGO_HSTS_SECONDS", default=31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=True)
 SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
+# One cache for every web process: DRF's throttles (they use the default cache) and the dashboard's cached
+# figures live in Redis, so N web processes enforce one limit, not N. Short socket timeouts: a Redis
+# outage fails a request quickly instead of hanging it.
+CACHES = {
+    "default": {
+        **env.cache("CACHE_URL", default=REDIS_URL),
+        "KEY_PREFIX": env("CACHE_KEY_PREFIX", default="cp"),
+        "OPTIONS": {"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+    }
+}
+
+# Static files: collected into STATIC_ROOT when the image is built (docker/Dockerfile), served by
+# whitenoise from there; no finder scans at run time.
+WHITENOISE_USE_FINDERS = env.bool("WHITENOISE_USE_FINDERS", default=False)
 
 # One proxy (Caddy) in front by default: throttles and login lockouts key on the address it saw.
 WEB_TRUSTED_PROXIES = env.int("WEB_TRUSTED_PROXIES", default=1)

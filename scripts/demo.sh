@@ -47,6 +47,17 @@ bash scripts/bootstrap.sh requirements.txt
 command -v bwrap >/dev/null || apt_install bubblewrap || log "bubblewrap not installed: code runs under rlimits only"
 
 export REDIS_URL="$(redis_url)"
+
+# The control plane's own metrics (/metrics): every process writes its counters under this directory. It
+# starts empty with the services, never under running ones (their counts would vanish).
+export PROMETHEUS_MULTIPROC_DIR="${PROMETHEUS_MULTIPROC_DIR:-$ROOT/var/prometheus}"
+services_running=0
+for name in web worker beat; do
+  pidf="$RUN_DIR/$name.pid"
+  if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then services_running=1; fi
+done
+if [ "$services_running" = 0 ]; then rm -rf "$PROMETHEUS_MULTIPROC_DIR"; fi
+mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 log "database: ${DATABASE_URL:-SQLite file var/controlplane.sqlite3}"
 "$PY" manage.py migrate --noinput -v 0
 

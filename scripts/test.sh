@@ -12,4 +12,7 @@ export DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/con
 export REDIS_URL="${TEST_REDIS_URL:-redis://127.0.0.1:6379/15}"
 export CELERY_TASK_DEFAULT_QUEUE="${CELERY_TASK_DEFAULT_QUEUE:-tests-$$}"
 export CHANNELS_PREFIX="${CHANNELS_PREFIX:-tests-$$}"
+# The metrics directory of the test run's processes (prometheus-client multi-process mode), emptied first.
+export PROMETHEUS_MULTIPROC_DIR="${PROMETHEUS_MULTIPROC_DIR:-$ROOT/var/prometheus-tests}"
+rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 exec "$PY" -m pytest "$@"

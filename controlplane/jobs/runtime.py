@@ -30,6 +30,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from controlplane.endpoints.services import endpoint_spec
+from controlplane.monitoring.metrics import record_chunk_run, record_lease_taken
 from controlplane.profiling.services import profile_run
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
@@ -53,12 +54,13 @@ def _stale_before(now=None):
     return (now or timezone.now()) - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
 
 
-def acquire_lease(chunk_id, lease_owner) -> bool:
+def acquire_lease(chunk_id, lease_owner, dispatched_at=None) -> bool:
     """Take the chunk if it is pending or its holder stopped heartbeating. One UPDATE on the chunk's
-    own columns: PostgreSQL re-checks the condition under the row lock, so only one taker wins."""
+    own columns: PostgreSQL re-checks the condition under the row lock, so only one taker wins.
+    dispatched_at (when the message was sent) measures the lease lag (controlplane_chunk_lease_lag_seconds)."""
     now = timezone.now()
     stale = _stale_before(now)
-    return bool(
+    taken = bool(
         JobChunk.objects.filter(pk=chunk_id)
         .filter(Q(state=JobChunk.State.PENDING)
                 | Q(state=JobChunk.State.RUNNING, heartbeat_at__lt=stale)
@@ -66,6 +68,9 @@ def acquire_lease(chunk_id, lease_owner) -> bool:
         .update(state=JobChunk.State.RUNNING, lease_owner=lease_owner, heartbeat_at=now, started_at=now,
                 finished_at=None, attempts=F("attempts") + 1)
     )
+    if taken:
+        record_lease_taken(dispatched_at, now)
+    return taken
 
 
 def release_lease(chunk_id, lease_owner) -> bool:
@@ -113,6 +118,13 @@ def _mark_running(job_id):
 
 
 def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> str:
+    """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total."""
+    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch)
+    record_chunk_run(outcome)
+    return outcome
+
+
+def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> str:
     """Run one chunk to its end. Returns the outcome:
     "done"        every pair of the chunk is stored (the job is finalized when it was the last chunk)
     "busy"        another live worker holds the lease (nothing done)
@@ -127,7 +139,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
     if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in JobState.RUNNABLE:
         return "skipped"
     lease = f"{worker_name}#{uuid.uuid4().hex[:8]}"
-    if not acquire_lease(chunk_id, lease):
+    if not acquire_lease(chunk_id, lease, chunk.dispatched_at):
         return "busy"
     job = None
     try:

@@ -19,6 +19,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlplane.endpoints.versions import VersionTagger
+from controlplane.monitoring.metrics import record_rollout_batch
 from workers.engine.materialize import materialize
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
@@ -90,16 +91,16 @@ def _insert_columns():
     return meta, fields, qn, columns, conflict
 
 
-def insert_rollouts(rows: list[dict]) -> list[str]:
-    """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status.
-    Returns the statuses of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
+def insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
+    """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status, failure_class.
+    Returns (status, failure_class) of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
     if not rows:
         return []
     if connection.vendor == "postgresql":
         return _copy_insert_rollouts(rows)
     meta, fields, qn, columns, conflict = _insert_columns()
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    inserted: list[str] = []
+    inserted: list[tuple[str, str]] = []
     for start in range(0, len(rows), _SQL_BATCH):
         part = rows[start:start + _SQL_BATCH]
         params = []
@@ -107,17 +108,21 @@ def insert_rollouts(rows: list[dict]) -> list[str]:
             for f in fields:
                 params.append(f.get_db_prep_save(row[f.name], connection))
         sql = (f"INSERT INTO {qn(meta.db_table)} ({columns}) VALUES {', '.join([placeholder] * len(part))} "
-               f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {qn(meta.get_field('status').column)}")
+               f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {_returning(qn, meta)}")
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            inserted.extend(r[0] for r in cursor.fetchall())
+            inserted.extend((r[0], r[1]) for r in cursor.fetchall())
     return inserted
+
+
+def _returning(qn, meta) -> str:
+    return f"{qn(meta.get_field('status').column)}, {qn(meta.get_field('failure_class').column)}"
 
 
 _STAGING = "jobs_rollout_staging"
 
 
-def _copy_insert_rollouts(rows: list[dict]) -> list[str]:
+def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
     """PostgreSQL: COPY the batch into a session-local staging table, then move it with one
     INSERT ... SELECT ... ON CONFLICT DO NOTHING RETURNING status. Same rows, same exactly-once rule as
     the multi-row VALUES insert, at about half the client and server CPU: no 10,000-placeholder
@@ -136,8 +141,8 @@ def _copy_insert_rollouts(rows: list[dict]) -> list[str]:
         # the DELETE ... RETURNING empties the staging table for the next batch in the same transaction
         cursor.execute(f"WITH staged AS (DELETE FROM {_STAGING} RETURNING {columns}) "
                        f"INSERT INTO {qn(meta.db_table)} ({columns}) SELECT {columns} FROM staged "
-                       f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {qn(meta.get_field('status').column)}")
-        return [r[0] for r in cursor.fetchall()]
+                       f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {_returning(qn, meta)}")
+        return [(r[0], r[1]) for r in cursor.fetchall()]
 
 
 # --- the sink ------------------------------------------------------------------------------------
@@ -286,27 +291,33 @@ class DbSink:
     def _write_batch(self, batch: list[RolloutResult]):
         """On the DB thread: insert, bump the job's counters by what was really inserted, heartbeat."""
         now = timezone.now()
+        started = time.perf_counter()
         self.versions.tag(batch)
         rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
         try:
             with transaction.atomic():
-                statuses = insert_rollouts(rows)
-                ok, failed = self._bump(statuses, now)
+                inserted = insert_rollouts(rows)
+                ok, failed = self._bump(inserted, now)
         except DataError:
             # e.g. a NUL character in a response: clean the batch and write it again
             for row in rows:
                 row["data"], row["error"] = _strip_nul(row["data"]), _strip_nul(row["error"])
             with transaction.atomic():
-                statuses = insert_rollouts(rows)
-                ok, failed = self._bump(statuses, now)
+                inserted = insert_rollouts(rows)
+                ok, failed = self._bump(inserted, now)
+        failed_by_class: dict[str, int] = {}  # counted once committed: a retried batch is never counted twice
+        for status, failure_class in inserted:
+            if status != Rollout.Status.OK:
+                failed_by_class[failure_class] = failed_by_class.get(failure_class, 0) + 1
+        record_rollout_batch(time.perf_counter() - started, len(rows), ok, failed_by_class)
         lease_ok = self._heartbeat(now)
         job_row = self._read_job()
         return ok, failed, job_row, lease_ok
 
-    def _bump(self, statuses, now):
-        ok = sum(1 for s in statuses if s == Rollout.Status.OK)
-        failed = len(statuses) - ok
-        if statuses:
+    def _bump(self, inserted, now):
+        ok = sum(1 for status, _ in inserted if status == Rollout.Status.OK)
+        failed = len(inserted) - ok
+        if inserted:
             CollectionJob.objects.filter(pk=self.job_id).update(
                 completed_count=F("completed_count") + ok, failed_count=F("failed_count") + failed,
                 last_progress_at=now, stalled=False,

@@ -25,6 +25,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from controlplane.monitoring.metrics import record_verify_batch
 from workers.engine.convert import response_text
 from workers.verifiers.execution import VerifyExecutor, cache_key, verify_items
 
@@ -229,6 +230,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         r.reward, r.status, r.failure_class = 0.0, Rollout.Status.FAILED, "verifier_error"
                         r.error = f"verifier {run.verifier!r} raised {res[1]}: {res[2]}"[:2000]
                     r.data = data
+                write_t0 = time.perf_counter()
                 with transaction.atomic():
                     if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
                             cursor=rollouts[-1].id, verified=F("verified") + len(rollouts), errors=F("errors") + errors,
@@ -237,6 +239,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         return "lost_lease"  # another worker took over: this batch is rolled back
                     Rollout.objects.bulk_update(rollouts, ["reward", "status", "failure_class", "error", "data"],
                                                 batch_size=500)
+                record_verify_batch(time.perf_counter() - write_t0, len(rollouts))
                 run.cursor = rollouts[-1].id
                 run.verified += len(rollouts)
                 batches += 1
