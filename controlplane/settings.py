@@ -189,6 +189,9 @@ VERIFY_CONCURRENCY = env.int("VERIFY_CONCURRENCY", default=32)
 VERIFY_JOB_PROCESSES = env.int("VERIFY_JOB_PROCESSES", default=4)
 VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
+# A chunk run retries its database work (rollout batches, heartbeats, reads) this long while the database
+# is unreachable (a restart, a failover), with exponential backoff, before it gives up.
+JOBS_DB_RETRY_S = env.float("JOBS_DB_RETRY_S", default=120.0)
 JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.

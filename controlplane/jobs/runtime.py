@@ -38,7 +38,9 @@ from workers.instrument import Instrumentation, instrument_run
 from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState
-from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
+from .sink import (
+    ChunkTasks, DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,43 +152,11 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
                 job, *instrument_run(spec, sink, control, instrumentation(job)), db=db, worker_name=worker_name)))
         finally:
             db.close()
-        logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
-                    job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
-                    "paused" if summary.paused else "cancelled" if summary.cancelled else "finished",
-                    sink.inserted_ok, sink.inserted_failed, sink.duplicates, tasks.skipped, summary.elapsed_s)
-
-        if sink.lease_lost:
-            return "lost_lease"
-        if summary.fatal_error:
-            release_lease(chunk_id, lease)
-            services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
-            return "failed"
-        if summary.paused or summary.cancelled:
-            release_lease(chunk_id, lease)
-            job.refresh_from_db(fields=["state"])
-            if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
-                services.dispatch_chunks(job, [chunk_id])
-            return "paused" if summary.paused else "cancelled"
-        stored, expected = tasks.stored_count(), tasks.expected_count
-        if stored < expected:  # never mark a chunk done with pairs missing
-            release_lease(chunk_id, lease)
-            chunk.refresh_from_db(fields=["attempts"])
-            logger.error("job %s chunk %s: %d of %d rollouts stored after a complete run (engine returned %d of "
-                         "%d)", job.pk, chunk.index, stored, expected, sink.received, tasks.emitted)
-            if chunk.attempts >= MAX_INCOMPLETE_ATTEMPTS:
-                services.fail_job(job, f"Internal error: chunk {chunk.index} still misses {expected - stored} of "
-                                       f"{expected} rollouts after {chunk.attempts} attempts; resume to retry")
-                return "failed"
-            if redispatch:
-                services.dispatch_chunks(job, [chunk_id])
-            return "incomplete"
-        now = timezone.now()
-        if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
-                state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
-            return "lost_lease"
-        if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
-            services.finalize_job(job)
-        return "done"
+        # The database may have restarted while the engine ran: this thread's idle connection is then dead.
+        # Everything below is idempotent, so it is retried until the database answers (JOBS_DB_RETRY_S).
+        ensure_usable_connection()
+        return call_with_db_retry(_finish_chunk_run, chunk, job, lease, summary, sink, tasks, redispatch,
+                                  what=f"finishing chunk {chunk_id}")
     except Exception as exc:
         logger.exception("chunk %s failed", chunk_id)
         try:
@@ -202,6 +172,49 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
         except Exception:
             pass
         raise
+
+
+def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> str:
+    """After the engine returned: record the chunk's outcome (see run_chunk). Idempotent, so that it can be
+    retried through a database restart."""
+    chunk_id = chunk.pk
+    logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
+                job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
+                "paused" if summary.paused else "cancelled" if summary.cancelled else "finished",
+                sink.inserted_ok, sink.inserted_failed, sink.duplicates, tasks.skipped, summary.elapsed_s)
+
+    if sink.lease_lost:
+        return "lost_lease"
+    if summary.fatal_error:
+        release_lease(chunk_id, lease)
+        services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
+        return "failed"
+    if summary.paused or summary.cancelled:
+        release_lease(chunk_id, lease)
+        job.refresh_from_db(fields=["state"])
+        if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
+            services.dispatch_chunks(job, [chunk_id])
+        return "paused" if summary.paused else "cancelled"
+    stored, expected = tasks.stored_count(), tasks.expected_count
+    if stored < expected:  # never mark a chunk done with pairs missing
+        release_lease(chunk_id, lease)
+        chunk.refresh_from_db(fields=["attempts"])
+        logger.error("job %s chunk %s: %d of %d rollouts stored after a complete run (engine returned %d of "
+                     "%d)", job.pk, chunk.index, stored, expected, sink.received, tasks.emitted)
+        if chunk.attempts >= MAX_INCOMPLETE_ATTEMPTS:
+            services.fail_job(job, f"Internal error: chunk {chunk.index} still misses {expected - stored} of "
+                                   f"{expected} rollouts after {chunk.attempts} attempts; resume to retry")
+            return "failed"
+        if redispatch:
+            services.dispatch_chunks(job, [chunk_id])
+        return "incomplete"
+    now = timezone.now()
+    if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
+            state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
+        return "lost_lease"
+    if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        services.finalize_job(job)
+    return "done"
 
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
