@@ -181,6 +181,8 @@ CELERY_BEAT_SCHEDULE = {
 JOBS_LEASE_TIMEOUT_S = env.float("JOBS_LEASE_TIMEOUT_S", default=30.0)
 # A running job with no new rollout for this long is flagged stalled (the flag clears on progress).
 JOBS_STALL_AFTER_S = env.float("JOBS_STALL_AFTER_S", default=300.0)
+# ... and never before one request could have timed out: the threshold of a job is
+# max(JOBS_STALL_AFTER_S, its endpoint's request_timeout_s + connect_timeout_s).
 # Verification: the engine's process pool for CPU-bound verifiers (per worker process; default: cores),
 # calls at once for io / remote verifiers (sandboxed code, LLM judge), and the batch verification job's
 # own, higher parallelism.

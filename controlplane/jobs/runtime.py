@@ -270,6 +270,80 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
 
 
 # --- watchdog ---------------------------------------------------------------------------------
+def stall_after_s(job) -> float:
+    """How long a running job may go without a new rollout before it is flagged stalled: JOBS_STALL_AFTER_S,
+    and never less than one request's timeout on its endpoint (a slow model is not a stalled job)."""
+    endpoint = job.endpoint
+    request_s = float(getattr(endpoint, "request_timeout_s", 0) or 0) + float(getattr(endpoint, "connect_timeout_s", 0) or 0)
+    return max(float(settings.JOBS_STALL_AFTER_S), request_s)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def _worker_names(owners) -> str:
+    names = sorted({o.split("#", 1)[0] for o in owners if o})
+    return ", ".join(names) if names else "(unknown)"
+
+
+def diagnose_stall(job, now=None) -> str:
+    """One sentence on why a running job makes no progress, from its chunks' leases and heartbeats and its
+    latest metric samples: what the job page shows under the stalled badge."""
+    from .models import JobMetricSample
+
+    now = now or timezone.now()
+    idle_since = job.last_progress_at or job.started_at or now
+    head = f"no progress for {_duration((now - idle_since).total_seconds())}"
+    stale = _stale_before(now)
+    chunks = list(JobChunk.objects.filter(job=job).values("state", "lease_owner", "heartbeat_at"))
+    running = [c for c in chunks if c["state"] == JobChunk.State.RUNNING]
+    live = [c for c in running if c["heartbeat_at"] and c["heartbeat_at"] >= stale]
+    dead = [c for c in running if c not in live]
+    pending = [c for c in chunks if c["state"] == JobChunk.State.PENDING]
+    if live:
+        workers = _worker_names(c["lease_owner"] for c in live)
+        window = now - timedelta(seconds=max(60.0, settings.JOBS_LEASE_TIMEOUT_S * 2))
+        samples = list(JobMetricSample.objects.filter(job=job, t__gte=window).order_by("-t")
+                       .values("worker", "in_flight", "errors")[:200])
+        latest: dict[str, int] = {}
+        errors: dict[str, int] = {}
+        for sample in samples:
+            latest.setdefault(sample["worker"], sample["in_flight"])
+            for kind, n in (sample["errors"] or {}).items():
+                errors[kind] = errors.get(kind, 0) + int(n or 0)
+        in_flight = sum(latest.values())
+        error_words = ", ".join(f"{n} {kind}" for kind, n in sorted(errors.items(), key=lambda kv: -kv[1]) if n)
+        if error_words:
+            return (f"{head}: model server not answering ({error_words} in the last minutes; {in_flight} requests in "
+                    f"flight); worker {workers} is alive")
+        if in_flight:
+            return (f"{head}: model server not answering: {in_flight} requests in flight and none finished; "
+                    f"worker {workers} is alive")
+        return f"{head}: worker {workers} holds the chunks and heartbeats but sends no requests"
+    if dead:
+        oldest = min(c["heartbeat_at"] for c in dead if c["heartbeat_at"]) if any(c["heartbeat_at"] for c in dead) else None
+        since = f" {_duration((now - oldest).total_seconds())} ago" if oldest else ""
+        return (f"{head}: all chunks leased by worker {_worker_names(c['lease_owner'] for c in dead)} whose heartbeat "
+                f"stopped{since}; they are handed out again once the lease expires ({settings.JOBS_LEASE_TIMEOUT_S:g} s)")
+    if pending:
+        lost = [c for c in pending if c["lease_owner"] and c["heartbeat_at"]]
+        last = ""
+        if lost:
+            newest = max(c["heartbeat_at"] for c in lost)
+            last = (f"; they were leased by worker {_worker_names(c['lease_owner'] for c in lost)} whose heartbeat "
+                    f"stopped {_duration((now - newest).total_seconds())} ago")
+        return (f"{head}: {len(pending)} chunk(s) wait for a worker and none has taken them{last}: is a Celery "
+                f"worker running on queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}?")
+    return f"{head}: no chunk is running or waiting"
+
+
+
 def watchdog(now=None, dispatch=True) -> dict:
     """Run periodically (Celery beat). Returns what it did.
     * chunks RUNNING whose heartbeat is older than the lease timeout (a dead worker) go back to
@@ -287,7 +361,8 @@ def watchdog(now=None, dispatch=True) -> dict:
                     .values_list("pk", "job_id", "heartbeat_at", "lease_owner"))
     for chunk_id, job_id, heartbeat_at, owner in list(stale_chunks):
         if JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.RUNNING, lease_owner=owner,
-                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING, lease_owner=""):
+                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING):
+            # lease_owner and heartbeat_at stay: the pending chunk remembers its last holder (diagnose_stall)
             logger.warning("job %s chunk %s: lease of %s expired; handing the chunk out again", job_id, chunk_id, owner)
             report["reclaimed"].append(chunk_id)
             job = CollectionJob.objects.get(pk=job_id)
@@ -317,13 +392,22 @@ def watchdog(now=None, dispatch=True) -> dict:
             report["finalized"].append(job.pk)
 
     stall_before = now - timedelta(seconds=settings.JOBS_STALL_AFTER_S)
-    stalled = CollectionJob.objects.filter(state=JobState.RUNNING, stalled=False).filter(
-        Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before))
-    for job in list(stalled):
-        if CollectionJob.objects.filter(pk=job.pk, stalled=False).update(stalled=True):
-            job.stalled = True
-            logger.warning("job %s: no progress for %.0f s; flagged stalled", job.pk, settings.JOBS_STALL_AFTER_S)
+    candidates = (CollectionJob.objects.filter(state=JobState.RUNNING).select_related("endpoint").filter(
+        Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before)))
+    for job in list(candidates):
+        idle_since = job.last_progress_at or job.started_at
+        if (now - idle_since).total_seconds() < stall_after_s(job):
+            continue
+        reason = diagnose_stall(job, now)
+        if job.stalled and job.stall_reason == reason:
+            continue
+        # only while no rollout arrived meanwhile (the sink clears the flag with every batch)
+        if CollectionJob.objects.filter(pk=job.pk, state=JobState.RUNNING, last_progress_at=job.last_progress_at).update(
+                stalled=True, stall_reason=reason):
+            if not job.stalled:
+                logger.warning("job %s flagged stalled: %s", job.pk, reason)
+                report["stalled"].append(job.pk)
+            job.stalled, job.stall_reason = True, reason
             publish_job_state(job)
-            report["stalled"].append(job.pk)
     return report
 

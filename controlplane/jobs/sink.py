@@ -357,7 +357,7 @@ class DbSink:
         if statuses:
             CollectionJob.objects.filter(pk=self.job_id).update(
                 completed_count=F("completed_count") + ok, failed_count=F("failed_count") + failed,
-                last_progress_at=now, stalled=False,
+                last_progress_at=now, stalled=False, stall_reason="",
             )
         return ok, failed
 
