@@ -125,15 +125,17 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
     "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
     """
     worker_name = worker_name or default_worker_name()
-    chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job").first()
+    ensure_usable_connection()  # the database may have restarted since this thread last used it
+    chunk = call_with_db_retry(lambda: JobChunk.objects.filter(pk=chunk_id).select_related("job").first(),
+                               what=f"reading chunk {chunk_id}")
     if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in JobState.RUNNABLE:
         return "skipped"
     lease = f"{worker_name}#{uuid.uuid4().hex[:8]}"
-    if not acquire_lease(chunk_id, lease):
+    if not call_with_db_retry(acquire_lease, chunk_id, lease, what=f"leasing chunk {chunk_id}"):
         return "busy"
     job = None
     try:
-        job = _mark_running(chunk.job_id)
+        job = call_with_db_retry(_mark_running, chunk.job_id, what=f"starting job {chunk.job_id}")
         if job is None:
             release_lease(chunk_id, lease)
             return "skipped"
@@ -233,11 +235,16 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     waited_since = None
     try:
         while True:
-            job.refresh_from_db()
+            ensure_usable_connection()  # the database may have restarted since the last chunk
+
+            def open_chunks():
+                job.refresh_from_db()
+                return list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
+                            .order_by("index").values_list("pk", flat=True))
+
+            chunk_ids = call_with_db_retry(open_chunks, what=f"reading job {job.pk}")
             if job.state not in JobState.RUNNABLE:
                 break
-            chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
-                             .order_by("index").values_list("pk", flat=True))
             if not chunk_ids:
                 services.finalize_job(job)
                 break
@@ -246,7 +253,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                 outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
                 if outcome != "busy":
                     progressed = True
-                job.refresh_from_db()
+                call_with_db_retry(job.refresh_from_db, what=f"reading job {job.pk}")
                 if job.state not in JobState.RUNNABLE:
                     break
             if progressed:
