@@ -71,9 +71,13 @@ class PrivateRedis:
     def stop(self, save: bool = True) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        import redis
+
         try:
-            subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "save" if save else "nosave"], timeout=15,
-                           capture_output=True)
+            try:
+                redis.Redis(port=self.port, socket_timeout=15).shutdown(save=save, nosave=not save)
+            except redis.exceptions.ConnectionError:
+                pass  # the server closes the connection as it exits
             self.proc.wait(15)
         except Exception:  # noqa: BLE001
             self.proc.kill()
