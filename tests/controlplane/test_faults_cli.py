@@ -1,5 +1,7 @@
-"""The drop-in CLI (manage.py collect_rollouts) SIGKILLed mid-run leaves no verifier-pool process behind
-(before: the forkserver and its pool processes idled on for good), and a rerun completes exactly once."""
+"""Verifier-pool faults through the job runtime: the drop-in CLI (manage.py collect_rollouts) SIGKILLed mid-run
+leaves no verifier-pool process behind (before: the forkserver and its pool processes idled on for good) and a
+rerun completes exactly once; a verifier that kills its own process fails only its rows, stored with a clear
+error, and the job completes."""
 from __future__ import annotations
 
 import signal
@@ -45,3 +47,34 @@ def test_sigkilled_cli_leaves_no_verifier_pool_process(simulator_factory, tmp_pa
     job.refresh_from_db()
     assert job.state == JobState.COMPLETED
     assert_exactly_once(job, n_tasks * repeats)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_verifier_that_kills_its_process_is_recorded_per_row_and_the_job_completes(user, math_dataset, sim_endpoint,
+                                                                                     simulator_factory, settings):
+    from django.db.models import Count
+
+    from controlplane.jobs import runtime, services
+    from controlplane.jobs.models import Rollout
+    from tests.factories import math_rows
+
+    settings.VERIFY_POOL_PROCESSES = 2
+    rows = math_rows(40)
+    crashing = {5, 17, 18}
+    for i in crashing:
+        rows[i]["crash_verifier"] = True
+    sim = simulator_factory(seed=2, ttft_ms=5, itl_ms=1, output_len_min=4, output_len_max=12)
+    job = services.create_job(owner=user, dataset=math_dataset(rows=rows), endpoint=sim_endpoint(sim.url),
+                              num_repeats=2, num_samples_in_parallel=8, verifier="tests.verifier_plugins:crash_when_flagged",
+                              launch=False)
+    job = runtime.run_job_inline(job)
+    assert job.state == JobState.COMPLETED, job.error_message
+    stored = Rollout.objects.filter(job=job)
+    assert stored.count() == 80
+    assert not stored.values("task_index", "rollout_index").annotate(n=Count("id")).filter(n__gt=1).exists()
+    failed = stored.filter(status="failed")
+    assert set(failed.values_list("task_index", flat=True)) == crashing and failed.count() == 6
+    for error, failure_class in failed.values_list("error", "failure_class"):
+        assert failure_class == "verifier_error"
+        assert "VerifierCrashed" in error and "the verifier process died while verifying this rollout" in error, error
+    assert job.completed_count == 74 and job.failed_count == 6
