@@ -184,6 +184,8 @@ CELERY_BEAT_SCHEDULE = {
 JOBS_LEASE_TIMEOUT_S = env.float("JOBS_LEASE_TIMEOUT_S", default=30.0)
 # A running job with no new rollout for this long is flagged stalled (the flag clears on progress).
 JOBS_STALL_AFTER_S = env.float("JOBS_STALL_AFTER_S", default=300.0)
+# ... and never before one request could have timed out: the threshold of a job is
+# max(JOBS_STALL_AFTER_S, its endpoint's request_timeout_s + connect_timeout_s).
 # Verification: the engine's process pool for CPU-bound verifiers (per worker process; default: cores),
 # calls at once for io / remote verifiers (sandboxed code, LLM judge), and the batch verification job's
 # own, higher parallelism.
@@ -192,6 +194,9 @@ VERIFY_CONCURRENCY = env.int("VERIFY_CONCURRENCY", default=32)
 VERIFY_JOB_PROCESSES = env.int("VERIFY_JOB_PROCESSES", default=4)
 VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
+# A chunk run retries its database work (rollout batches, heartbeats, reads) this long while the database
+# is unreachable (a restart, a failover), with exponential backoff, before it gives up.
+JOBS_DB_RETRY_S = env.float("JOBS_DB_RETRY_S", default=120.0)
 JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.

@@ -24,3 +24,13 @@ class Length(Verifier):
 
 def not_marked(row, response_text, options):
     return 1.0
+
+
+@verifier(required_fields=(), kind="cpu")
+def crash_when_flagged(row, response_text, options):
+    """Kills its own process (as a segfaulting C extension would) for rows with "crash_verifier": true."""
+    import os
+
+    if row.get("crash_verifier"):
+        os._exit(3)
+    return 1.0

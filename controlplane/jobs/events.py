@@ -4,7 +4,7 @@ Group name: job_group(job_id) -> "job-<id>". Every message is a dict with "type"
 (the consumer's handler `job_progress`) and the fields of `progress_payload`:
     job_id, state, total, completed, failed, done, in_flight, parallelism,
     samples_per_s, output_tokens_per_s, eta_s (None when unknown), errors {class: count in the window},
-    t (unix seconds, float), stalled (bool)
+    t (unix seconds, float), stalled (bool), stall_reason (str: why, when stalled)
 One builder (`progress_payload`), fed by `live_figures`: the live numbers of every chunk of the job (on any
 worker) summed from their stored samples, so the live stream and a reload show the same job-wide figures.
 State changes publish the same message type with fresh counts.
@@ -125,6 +125,7 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
         "errors": dict(live.errors),
         "t": time.time() if t is None else t,
         "stalled": bool(job.stalled if stalled is None else stalled),
+        "stall_reason": (getattr(job, "stall_reason", "") or "") if (job.stalled if stalled is None else stalled) else "",
     }
 
 

@@ -66,6 +66,7 @@ class CollectionJob(models.Model):
     failed_count = models.PositiveIntegerField(default=0)  # rows recorded with a failure class
     error_message = models.TextField(blank=True)
     stalled = models.BooleanField(default=False)
+    stall_reason = models.TextField(blank=True, default="", help_text="Why the watchdog flagged the job stalled")
     aggregate_metrics = models.JSONField(default=dict, blank=True)
     timing_summary = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -142,7 +143,7 @@ class CollectionJob(models.Model):
 
     def mark_running(self):
         self._check("start")
-        self._set(JobState.RUNNING, started_at=self.started_at or timezone.now(), stalled=False)
+        self._set(JobState.RUNNING, started_at=self.started_at or timezone.now(), stalled=False, stall_reason="")
 
     def pause(self):
         self._check("pause")
@@ -150,7 +151,7 @@ class CollectionJob(models.Model):
 
     def resume(self):
         self._check("resume")
-        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False)
+        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False, stall_reason="")
 
     def cancel(self):
         self._check("cancel")
@@ -158,12 +159,12 @@ class CollectionJob(models.Model):
 
     def complete(self):
         self._check("complete")
-        self._set(JobState.COMPLETED, finished_at=timezone.now(), stalled=False)
+        self._set(JobState.COMPLETED, finished_at=timezone.now(), stalled=False, stall_reason="")
 
     def reopen_for_retry(self):
         """After failed rows were deleted: back to queued so the missing (task, repeat) pairs run again."""
         self._check("retry_failed")
-        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False)
+        self._set(JobState.QUEUED, finished_at=None, error_message="", stalled=False, stall_reason="")
 
     def fail(self, message):
         self._check("fail")

@@ -39,7 +39,9 @@ from workers.instrument import Instrumentation, instrument_run
 from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState
-from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
+from .sink import (
+    ChunkTasks, DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +137,17 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
     "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
     """
     worker_name = worker_name or default_worker_name()
-    chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job").first()
+    ensure_usable_connection()  # the database may have restarted since this thread last used it
+    chunk = call_with_db_retry(lambda: JobChunk.objects.filter(pk=chunk_id).select_related("job").first(),
+                               what=f"reading chunk {chunk_id}")
     if chunk is None or chunk.state == JobChunk.State.DONE or chunk.job.state not in JobState.RUNNABLE:
         return "skipped"
     lease = f"{worker_name}#{uuid.uuid4().hex[:8]}"
-    if not acquire_lease(chunk_id, lease, chunk.dispatched_at):
+    if not call_with_db_retry(acquire_lease, chunk_id, lease, chunk.dispatched_at, what=f"leasing chunk {chunk_id}"):
         return "busy"
     job = None
     try:
-        job = _mark_running(chunk.job_id)
+        job = call_with_db_retry(_mark_running, chunk.job_id, what=f"starting job {chunk.job_id}")
         if job is None:
             release_lease(chunk_id, lease)
             return "skipped"
@@ -162,43 +166,11 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
                 job, *instrument_run(spec, sink, control, instrumentation(job)), db=db, worker_name=worker_name)))
         finally:
             db.close()
-        logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
-                    job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
-                    "paused" if summary.paused else "cancelled" if summary.cancelled else "finished",
-                    sink.inserted_ok, sink.inserted_failed, sink.duplicates, tasks.skipped, summary.elapsed_s)
-
-        if sink.lease_lost:
-            return "lost_lease"
-        if summary.fatal_error:
-            release_lease(chunk_id, lease)
-            services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
-            return "failed"
-        if summary.paused or summary.cancelled:
-            release_lease(chunk_id, lease)
-            job.refresh_from_db(fields=["state"])
-            if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
-                services.dispatch_chunks(job, [chunk_id])
-            return "paused" if summary.paused else "cancelled"
-        stored, expected = tasks.stored_count(), tasks.expected_count
-        if stored < expected:  # never mark a chunk done with pairs missing
-            release_lease(chunk_id, lease)
-            chunk.refresh_from_db(fields=["attempts"])
-            logger.error("job %s chunk %s: %d of %d rollouts stored after a complete run (engine returned %d of "
-                         "%d)", job.pk, chunk.index, stored, expected, sink.received, tasks.emitted)
-            if chunk.attempts >= MAX_INCOMPLETE_ATTEMPTS:
-                services.fail_job(job, f"Internal error: chunk {chunk.index} still misses {expected - stored} of "
-                                       f"{expected} rollouts after {chunk.attempts} attempts; resume to retry")
-                return "failed"
-            if redispatch:
-                services.dispatch_chunks(job, [chunk_id])
-            return "incomplete"
-        now = timezone.now()
-        if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
-                state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
-            return "lost_lease"
-        if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
-            services.finalize_job(job)
-        return "done"
+        # The database may have restarted while the engine ran: this thread's idle connection is then dead.
+        # Everything below is idempotent, so it is retried until the database answers (JOBS_DB_RETRY_S).
+        ensure_usable_connection()
+        return call_with_db_retry(_finish_chunk_run, chunk, job, lease, summary, sink, tasks, redispatch,
+                                  what=f"finishing chunk {chunk_id}")
     except Exception as exc:
         logger.exception("chunk %s failed", chunk_id)
         try:
@@ -214,6 +186,49 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
         except Exception:
             pass
         raise
+
+
+def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> str:
+    """After the engine returned: record the chunk's outcome (see run_chunk). Idempotent, so that it can be
+    retried through a database restart."""
+    chunk_id = chunk.pk
+    logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
+                job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
+                "paused" if summary.paused else "cancelled" if summary.cancelled else "finished",
+                sink.inserted_ok, sink.inserted_failed, sink.duplicates, tasks.skipped, summary.elapsed_s)
+
+    if sink.lease_lost:
+        return "lost_lease"
+    if summary.fatal_error:
+        release_lease(chunk_id, lease)
+        services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
+        return "failed"
+    if summary.paused or summary.cancelled:
+        release_lease(chunk_id, lease)
+        job.refresh_from_db(fields=["state"])
+        if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
+            services.dispatch_chunks(job, [chunk_id])
+        return "paused" if summary.paused else "cancelled"
+    stored, expected = tasks.stored_count(), tasks.expected_count
+    if stored < expected:  # never mark a chunk done with pairs missing
+        release_lease(chunk_id, lease)
+        chunk.refresh_from_db(fields=["attempts"])
+        logger.error("job %s chunk %s: %d of %d rollouts stored after a complete run (engine returned %d of "
+                     "%d)", job.pk, chunk.index, stored, expected, sink.received, tasks.emitted)
+        if chunk.attempts >= MAX_INCOMPLETE_ATTEMPTS:
+            services.fail_job(job, f"Internal error: chunk {chunk.index} still misses {expected - stored} of "
+                                   f"{expected} rollouts after {chunk.attempts} attempts; resume to retry")
+            return "failed"
+        if redispatch:
+            services.dispatch_chunks(job, [chunk_id])
+        return "incomplete"
+    now = timezone.now()
+    if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
+            state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
+        return "lost_lease"
+    if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        services.finalize_job(job)
+    return "done"
 
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
@@ -232,11 +247,16 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     waited_since = None
     try:
         while True:
-            job.refresh_from_db()
+            ensure_usable_connection()  # the database may have restarted since the last chunk
+
+            def open_chunks():
+                job.refresh_from_db()
+                return list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
+                            .order_by("index").values_list("pk", flat=True))
+
+            chunk_ids = call_with_db_retry(open_chunks, what=f"reading job {job.pk}")
             if job.state not in JobState.RUNNABLE:
                 break
-            chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
-                             .order_by("index").values_list("pk", flat=True))
             if not chunk_ids:
                 services.finalize_job(job)
                 break
@@ -245,7 +265,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                 outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
                 if outcome != "busy":
                     progressed = True
-                job.refresh_from_db()
+                call_with_db_retry(job.refresh_from_db, what=f"reading job {job.pk}")
                 if job.state not in JobState.RUNNABLE:
                     break
             if progressed:
@@ -269,6 +289,80 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
 
 
 # --- watchdog ---------------------------------------------------------------------------------
+def stall_after_s(job) -> float:
+    """How long a running job may go without a new rollout before it is flagged stalled: JOBS_STALL_AFTER_S,
+    and never less than one request's timeout on its endpoint (a slow model is not a stalled job)."""
+    endpoint = job.endpoint
+    request_s = float(getattr(endpoint, "request_timeout_s", 0) or 0) + float(getattr(endpoint, "connect_timeout_s", 0) or 0)
+    return max(float(settings.JOBS_STALL_AFTER_S), request_s)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def _worker_names(owners) -> str:
+    names = sorted({o.split("#", 1)[0] for o in owners if o})
+    return ", ".join(names) if names else "(unknown)"
+
+
+def diagnose_stall(job, now=None) -> str:
+    """One sentence on why a running job makes no progress, from its chunks' leases and heartbeats and its
+    latest metric samples: what the job page shows under the stalled badge."""
+    from .models import JobMetricSample
+
+    now = now or timezone.now()
+    idle_since = job.last_progress_at or job.started_at or now
+    head = f"no progress for {_duration((now - idle_since).total_seconds())}"
+    stale = _stale_before(now)
+    chunks = list(JobChunk.objects.filter(job=job).values("state", "lease_owner", "heartbeat_at"))
+    running = [c for c in chunks if c["state"] == JobChunk.State.RUNNING]
+    live = [c for c in running if c["heartbeat_at"] and c["heartbeat_at"] >= stale]
+    dead = [c for c in running if c not in live]
+    pending = [c for c in chunks if c["state"] == JobChunk.State.PENDING]
+    if live:
+        workers = _worker_names(c["lease_owner"] for c in live)
+        window = now - timedelta(seconds=max(60.0, settings.JOBS_LEASE_TIMEOUT_S * 2))
+        samples = list(JobMetricSample.objects.filter(job=job, t__gte=window).order_by("-t")
+                       .values("worker", "in_flight", "errors")[:200])
+        latest: dict[str, int] = {}
+        errors: dict[str, int] = {}
+        for sample in samples:
+            latest.setdefault(sample["worker"], sample["in_flight"])
+            for kind, n in (sample["errors"] or {}).items():
+                errors[kind] = errors.get(kind, 0) + int(n or 0)
+        in_flight = sum(latest.values())
+        error_words = ", ".join(f"{n} {kind}" for kind, n in sorted(errors.items(), key=lambda kv: -kv[1]) if n)
+        if error_words:
+            return (f"{head}: model server not answering ({error_words} in the last minutes; {in_flight} requests in "
+                    f"flight); worker {workers} is alive")
+        if in_flight:
+            return (f"{head}: model server not answering: {in_flight} requests in flight and none finished; "
+                    f"worker {workers} is alive")
+        return f"{head}: worker {workers} holds the chunks and heartbeats but sends no requests"
+    if dead:
+        oldest = min(c["heartbeat_at"] for c in dead if c["heartbeat_at"]) if any(c["heartbeat_at"] for c in dead) else None
+        since = f" {_duration((now - oldest).total_seconds())} ago" if oldest else ""
+        return (f"{head}: all chunks leased by worker {_worker_names(c['lease_owner'] for c in dead)} whose heartbeat "
+                f"stopped{since}; they are handed out again once the lease expires ({settings.JOBS_LEASE_TIMEOUT_S:g} s)")
+    if pending:
+        lost = [c for c in pending if c["lease_owner"] and c["heartbeat_at"]]
+        last = ""
+        if lost:
+            newest = max(c["heartbeat_at"] for c in lost)
+            last = (f"; they were leased by worker {_worker_names(c['lease_owner'] for c in lost)} whose heartbeat "
+                    f"stopped {_duration((now - newest).total_seconds())} ago")
+        return (f"{head}: {len(pending)} chunk(s) wait for a worker and none has taken them{last}: is a Celery "
+                f"worker running on queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}?")
+    return f"{head}: no chunk is running or waiting"
+
+
+
 def watchdog(now=None, dispatch=True) -> dict:
     """Run periodically (Celery beat). Returns what it did.
     * chunks RUNNING whose heartbeat is older than the lease timeout (a dead worker) go back to
@@ -286,7 +380,8 @@ def watchdog(now=None, dispatch=True) -> dict:
                     .values_list("pk", "job_id", "heartbeat_at", "lease_owner"))
     for chunk_id, job_id, heartbeat_at, owner in list(stale_chunks):
         if JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.RUNNING, lease_owner=owner,
-                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING, lease_owner=""):
+                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING):
+            # lease_owner and heartbeat_at stay: the pending chunk remembers its last holder (diagnose_stall)
             logger.warning("job %s chunk %s: lease of %s expired; handing the chunk out again", job_id, chunk_id, owner)
             report["reclaimed"].append(chunk_id)
             job = CollectionJob.objects.get(pk=job_id)
@@ -316,13 +411,22 @@ def watchdog(now=None, dispatch=True) -> dict:
             report["finalized"].append(job.pk)
 
     stall_before = now - timedelta(seconds=settings.JOBS_STALL_AFTER_S)
-    stalled = CollectionJob.objects.filter(state=JobState.RUNNING, stalled=False).filter(
-        Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before))
-    for job in list(stalled):
-        if CollectionJob.objects.filter(pk=job.pk, stalled=False).update(stalled=True):
-            job.stalled = True
-            logger.warning("job %s: no progress for %.0f s; flagged stalled", job.pk, settings.JOBS_STALL_AFTER_S)
+    candidates = (CollectionJob.objects.filter(state=JobState.RUNNING).select_related("endpoint").filter(
+        Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before)))
+    for job in list(candidates):
+        idle_since = job.last_progress_at or job.started_at
+        if (now - idle_since).total_seconds() < stall_after_s(job):
+            continue
+        reason = diagnose_stall(job, now)
+        if job.stalled and job.stall_reason == reason:
+            continue
+        # only while no rollout arrived meanwhile (the sink clears the flag with every batch)
+        if CollectionJob.objects.filter(pk=job.pk, state=JobState.RUNNING, last_progress_at=job.last_progress_at).update(
+                stalled=True, stall_reason=reason):
+            if not job.stalled:
+                logger.warning("job %s flagged stalled: %s", job.pk, reason)
+                report["stalled"].append(job.pk)
+            job.stalled, job.stall_reason = True, reason
             publish_job_state(job)
-            report["stalled"].append(job.pk)
     return report
 

@@ -29,18 +29,66 @@ from .models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 logger = logging.getLogger(__name__)
 
 
+def call_with_db_retry(fn, *args, retry_s: float | None = None, what: str = "", **kwargs):
+    """fn(*args, **kwargs), again while the database is unreachable (restarted, failed over, the network
+    cut): on OperationalError / InterfaceError outside a transaction the broken connection is closed, and
+    the call is repeated with exponential backoff (0.2 s doubling to 5 s) for up to JOBS_DB_RETRY_S
+    (default 120 s), then the error is raised. Only for idempotent work: the rollout batch is (its INSERT
+    ... ON CONFLICT DO NOTHING and the counters it bumps commit together or not at all), and so are the
+    reads, heartbeats and state updates of a chunk run."""
+    from django.db import InterfaceError, OperationalError
+
+    retry_s = settings.JOBS_DB_RETRY_S if retry_s is None else retry_s
+    deadline = time.monotonic() + retry_s
+    delay = 0.2
+    attempt = 0
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if connection.in_atomic_block:  # an outer transaction is lost with the connection: its owner retries
+                raise
+            attempt += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("database still unreachable after %d attempts over %.0f s (%s); giving up", attempt,
+                             retry_s, what or getattr(fn, "__name__", fn))
+                raise
+            logger.warning("database error (%s: %s) in %s; reconnecting and retrying in %.1f s", type(exc).__name__,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else "", what or getattr(fn, "__name__", fn),
+                           min(delay, left))
+            try:
+                connection.close()  # a broken connection is never reused; the next query opens a new one
+            except Exception:  # noqa: BLE001  (closing a dead connection may raise; it is gone either way)
+                pass
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+
+def ensure_usable_connection() -> None:
+    """Close this thread's connection when the server dropped it while it idled (a database restart),
+    so the next query reconnects instead of failing."""
+    if connection.connection is not None and not connection.in_atomic_block and not connection.is_usable():
+        connection.close()
+
+
 class DbThread:
-    """One thread, one database connection, for all of a chunk run's queries."""
+    """One thread, one database connection, for all of a chunk run's queries. Every call is retried while
+    the database is unreachable (call_with_db_retry): a database restart mid-job delays writes, never drops
+    or doubles them."""
 
     def __init__(self, name="jobs-db"):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
 
+    def submit(self, fn, *args):
+        return self.executor.submit(call_with_db_retry, fn, *args)
+
     def call(self, fn, *args, **kwargs):
         """Run fn on the DB thread and wait (from a thread that is not the event loop's)."""
-        return self.executor.submit(fn, *args, **kwargs).result()
+        return self.executor.submit(call_with_db_retry, fn, *args, **kwargs).result()
 
     async def acall(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call_with_db_retry, fn, *args)
 
     def close(self):
         try:
@@ -320,7 +368,7 @@ class DbSink:
         if inserted:
             CollectionJob.objects.filter(pk=self.job_id).update(
                 completed_count=F("completed_count") + ok, failed_count=F("failed_count") + failed,
-                last_progress_at=now, stalled=False,
+                last_progress_at=now, stalled=False, stall_reason="",
             )
         return ok, failed
 
@@ -520,10 +568,10 @@ class ChunkTasks:
     def __iter__(self):
         if self.start >= self.end:
             return
-        future = self.db.executor.submit(self._page, self.start)
+        future = self.db.submit(self._page, self.start)
         while future is not None:
             rows, existing, stop = future.result()
-            future = self.db.executor.submit(self._page, stop) if stop < self.end else None
+            future = self.db.submit(self._page, stop) if stop < self.end else None
             for item in materialize(rows, self.num_repeats):
                 self.task_ids.add(item.task_index)
                 if (item.task_index, item.rollout_index) in existing:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import multiprocessing
 import os
 import threading
@@ -21,6 +22,8 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
+
+import psutil
 
 from workers.profiling.core import unwrap_result, verify_call
 from workers.verifiers import verify_row
@@ -34,6 +37,45 @@ def _mp_context():
         ctx.set_forkserver_preload(["workers.verifiers", "math_verify"])
         return ctx
     return multiprocessing.get_context("spawn")
+
+
+log = logging.getLogger(__name__)
+
+# How often a pool process checks that the process owning the pool still lives.
+OWNER_CHECK_INTERVAL_S = 0.5
+
+
+def _owner_identity() -> tuple[int, float]:
+    """(pid, start time) of this process: a pid alone could be reused by an unrelated process."""
+    return os.getpid(), psutil.Process().create_time()
+
+
+def _owner_gone(pid: int, create_time: float) -> bool:
+    try:
+        owner = psutil.Process(pid)
+        return owner.create_time() != create_time or owner.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _watch_owner(pid: int, create_time: float) -> None:
+    while not _owner_gone(pid, create_time):
+        time.sleep(OWNER_CHECK_INTERVAL_S)
+    os._exit(0)  # the owner was killed (SIGKILL runs no atexit): nobody will ever send this process work
+
+
+def _pool_process_start(owner: tuple[int, float], initializer: Callable | None, initargs: tuple) -> None:
+    """Runs first in every pool process. A forkserver child's parent is the fork server, not the process that
+    owns the pool, so neither PR_SET_PDEATHSIG nor multiprocessing's parent sentinel notices that owner being
+    SIGKILLed; the processes (and the fork server, which lives while they do) would idle on for good. A daemon
+    thread watches the owner instead and ends the process within OWNER_CHECK_INTERVAL_S of its death."""
+    threading.Thread(target=_watch_owner, args=owner, name="verify-pool-owner-watch", daemon=True).start()
+    if initializer is not None:
+        initializer(*initargs)
+
+
+class VerifierCrashed(Exception):
+    """The pool process verifying a rollout died (os._exit, a segfault, the OOM killer)."""
 
 
 def _warm_verifier(name: str) -> int:
@@ -88,8 +130,9 @@ class VerifyPool:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
             if self._executor is None:
-                self._executor = ProcessPoolExecutor(max_workers=size, mp_context=_mp_context(),
-                                                     initializer=self.initializer, initargs=self.initargs)
+                self._executor = ProcessPoolExecutor(
+                    max_workers=size, mp_context=_mp_context(), initializer=_pool_process_start,
+                    initargs=(_owner_identity(), self.initializer, self.initargs))
                 self._size = size
             return self._executor
 
@@ -131,6 +174,22 @@ def shutdown_verify_pool(wait: bool = True) -> None:
     SHARED_VERIFY_POOL.shutdown(wait)
 
 
+def _exit_codes(executor: ProcessPoolExecutor) -> str:
+    """The exit codes of the pool's dead processes, as words ("exit code 3", "killed by SIGSEGV")."""
+    import signal
+
+    words = []
+    for proc in list((getattr(executor, "_processes", None) or {}).values()):
+        code = proc.exitcode
+        if code is None or code == 0 or code == -signal.SIGTERM:  # SIGTERM: the pool stopping the others
+            continue
+        try:
+            words.append(f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+        except ValueError:
+            words.append(f"exit code {code}")
+    return ", ".join(sorted(set(words)))
+
+
 class VerifyBatcher:
     """Hands CPU-bound verifications to a VerifyPool in batches.
 
@@ -146,50 +205,87 @@ class VerifyBatcher:
         self.processes = processes
         self.max_batch = max_batch
         self.pool = pool or SHARED_VERIFY_POOL
-        self.pending: deque = deque()
+        self.pending: deque = deque()  # (args, future, times its batch was on a crashed pool)
         self.inflight = 0
+        self.isolating = False  # a suspect of a pool crash is running alone
 
     def verify(self, name: str, row: dict, text: str, options: dict, fast: bool) -> asyncio.Future:
         fut = self.loop.create_future()
-        self.pending.append(((name, row, text, options, fast), fut))
+        self.pending.append(((name, row, text, options, fast), fut, 0))
         self._dispatch()
         return fut
 
     def _dispatch(self) -> None:
         executor = None
-        while self.pending:
+        while self.pending and not self.isolating:
             if executor is None:
                 executor = self.pool.executor(self.processes)
             if self.inflight >= executor._max_workers + 1:
                 return
-            batch = []
-            while self.pending and len(batch) < self.max_batch:
-                args, fut = self.pending.popleft()
-                if not fut.done():  # a cancelled waiter (the run is stopping) needs no verification
-                    batch.append((args, fut))
-            if not batch:
+            suspect = self.pending[0][2] > 0
+            if suspect and self.inflight:  # a suspect runs alone on the pool: wait for the others to finish
                 return
+            batch = []
+            while self.pending and len(batch) < self.max_batch and (suspect or not self.pending[0][2]):
+                args, fut, crashes = self.pending.popleft()
+                if not fut.done():  # a cancelled waiter (the run is stopping) needs no verification
+                    batch.append((args, fut, crashes))
+                if suspect and batch:
+                    break
+            if not batch:
+                continue
             try:
-                cfut = executor.submit(*verify_call(_verify_batch, [args for args, _ in batch]))  # profiling, if on
+                cfut = executor.submit(*verify_call(_verify_batch, [args for args, _, _ in batch]))  # profiling, if on
             except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
                 if isinstance(exc, BrokenProcessPool):
                     self.pool.discard_broken(executor)
+                    executor = None
+                    self._requeue_as_suspects(batch)
+                    continue
                 executor = None
-                for _, fut in batch:
+                for _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
             self.inflight += 1
+            self.isolating = suspect
             afut = asyncio.wrap_future(cfut, loop=self.loop)
-            afut.add_done_callback(lambda f, batch=batch, executor=executor: self._done(f, batch, executor))
+            afut.add_done_callback(lambda f, batch=batch, executor=executor, alone=suspect:
+                                   self._done(f, batch, executor, alone))
 
-    def _done(self, afut: asyncio.Future, batch: list, executor) -> None:
+    def _requeue_as_suspects(self, batch: list) -> None:
+        """Back to the front of the queue, each to be verified alone on the pool."""
+        for args, fut, crashes in reversed(batch):
+            if not fut.done():
+                self.pending.appendleft((args, fut, crashes + 1))
+
+    def _done(self, afut: asyncio.Future, batch: list, executor, alone: bool = False) -> None:
         self.inflight -= 1
+        if alone:
+            self.isolating = False
         exc = asyncio.CancelledError() if afut.cancelled() else afut.exception()
         if isinstance(exc, BrokenProcessPool):
+            # A pool process died (os._exit, a segfault, the OOM killer): every batch on the pool fails with it.
+            # The rollouts of those batches are verified again, each alone on a fresh pool; one whose process dies
+            # while it runs alone is the culprit and is recorded as failed. Nothing else is blamed.
+            codes = _exit_codes(executor)
             self.pool.discard_broken(executor)
+            if alone:
+                for _, fut, _ in batch:
+                    if not fut.done():
+                        fut.set_exception(RemoteVerifierError(
+                            VerifierCrashed.__name__,
+                            f"the verifier process died while verifying this rollout ({codes or 'exit code unknown'});"
+                            f" the pool was restarted and the run went on (a verifier that exits, segfaults or is "
+                            f"killed for memory)"))
+            else:
+                log.warning("a verifier pool process died (%s); restarting the pool and verifying %d rollouts one "
+                            "by one to find the one that kills it", codes or "exit code unknown", len(batch))
+                self._requeue_as_suspects(batch)
+            self._dispatch()
+            return
         results = unwrap_result(afut.result()) if exc is None else None
-        for i, (_, fut) in enumerate(batch):
+        for i, (_, fut, _) in enumerate(batch):
             if fut.done():
                 continue
             if exc is not None:
