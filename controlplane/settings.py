@@ -188,6 +188,9 @@ VERIFY_POOL_PROCESSES = env.int("VERIFY_POOL_PROCESSES", default=0) or None
 VERIFY_CONCURRENCY = env.int("VERIFY_CONCURRENCY", default=32)
 VERIFY_JOB_PROCESSES = env.int("VERIFY_JOB_PROCESSES", default=4)
 VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
+# The verification cache every worker of a job shares (Redis; "" keeps it per chunk run / per process).
+VERIFY_CACHE_URL = env("VERIFY_CACHE_URL", default=REDIS_URL)
+VERIFY_CACHE_TTL_S = env.int("VERIFY_CACHE_TTL_S", default=7 * 24 * 3600)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
 JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)

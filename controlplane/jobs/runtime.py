@@ -84,8 +84,23 @@ def build_spec(job, worker_name="") -> CollectionSpec:
         verify_mode=job.verify_mode,
         worker_name=worker_name,
         verify_cache=job.verify_cache, verify_processes=settings.VERIFY_POOL_PROCESSES,
-        verify_concurrency=settings.VERIFY_CONCURRENCY,
+        verify_concurrency=settings.VERIFY_CONCURRENCY, **verify_cache_spec(job),
     )
+
+
+def verify_cache_scope(job) -> str:
+    """The shared cache's scope: the job (its id and creation time: ids of a rebuilt database never meet old
+    entries) or every job ("global")."""
+    if job.verify_cache == "global":
+        return "global"
+    return f"job:{job.pk}:{int(job.created_at.timestamp())}"
+
+
+def verify_cache_spec(job) -> dict:
+    """Where the verification cache lives for this job's runs (collection chunks and verification runs)."""
+    url = settings.VERIFY_CACHE_URL if job.verify_cache != "off" else ""
+    return {"verify_cache_url": url or None, "verify_cache_scope": verify_cache_scope(job) if url else "",
+            "verify_cache_ttl_s": settings.VERIFY_CACHE_TTL_S}
 
 
 def instrumentation(job) -> Instrumentation:

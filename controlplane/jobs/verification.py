@@ -26,11 +26,12 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from workers.engine.convert import response_text
-from workers.verifiers.execution import VerifyExecutor, cache_key, verify_items
+from workers.verifiers.execution import VerifyExecutor, verify_items
 
 from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
+from .runtime import verify_cache_spec
 from .verifier_checks import check_verifier
 
 logger = logging.getLogger(__name__)
@@ -137,16 +138,26 @@ def _input_row(data: dict, verifier_fields: set) -> dict:
     return {k: v for k, v in data.items() if k not in _OUTPUT_KEYS and k not in verifier_fields}
 
 
+def _pool_one(pool):
+    """The executor's `pooled` hook for single items (keys another worker was computing when it gave up)."""
+    async def one(name, row, text, options, fast):
+        (res,) = await asyncio.get_running_loop().run_in_executor(pool, verify_items, [(name, row, text, options, fast)])
+        if not res[0]:
+            raise RuntimeError(f"{res[1]}: {res[2]}")
+        return res[1]
+    return one
+
+
 async def _verify_batch(ex: VerifyExecutor, pool, items):
     """[(True, VerifyResult) | (False, type, msg)] for [(row, text)]."""
     if ex.kind == "cpu" and pool is not None:
         loop = asyncio.get_running_loop()
         per = max(1, len(items) // (pool._max_workers * 4))
-        # cache first (identical work once), then the rest to the pool in slices
+        # cache first (identical work once: in this batch, then in the shared cache), the rest to the pool in slices
         keys, todo, results = {}, [], [None] * len(items)
         for i, (row, text) in enumerate(items):
             if ex.cache_mode != "off":
-                k = cache_key(ex.name, ex.options, ex.fast, text, row, ex.fields)
+                k = ex.key(row, text)
                 ex.lookups += 1
                 if k in keys:
                     ex.hits += 1
@@ -154,12 +165,39 @@ async def _verify_batch(ex: VerifyExecutor, pool, items):
                     continue
                 keys[k] = [i]
             todo.append(i)
+        busy = set()
+        mine = set()
+        if ex.shared is not None and keys:
+            try:
+                found, mine, busy = await ex.shared.get_or_claim_many(list(keys))
+            except Exception as exc:  # noqa: BLE001
+                ex.shared_failed(exc)
+                found = {}
+            for k, res in found.items():
+                ex.hits += 1
+                results[keys[k][0]] = (True, res)
+            todo = [keys[k][0] for k in keys if k in mine] if ex.shared is not None else todo
         slices = [todo[j:j + per] for j in range(0, len(todo), per)]
         futs = [loop.run_in_executor(pool, verify_items, [(ex.name, items[i][0], items[i][1], ex.options, ex.fast)
                                                           for i in sl]) for sl in slices]
         for sl, out in zip(slices, await asyncio.gather(*futs)):
             for i, res in zip(sl, out):
                 results[i] = res
+        if ex.shared is not None and mine:
+            key_of = {keys[k][0]: k for k in mine}
+            done = {key_of[i]: results[i][1] for i in todo if i in key_of and results[i][0]}
+            try:
+                await ex.shared.put_many(done)
+                await ex.shared.release_many(k for k in mine if k not in done)  # errors are not cached
+            except Exception as exc:  # noqa: BLE001
+                ex.shared_failed(exc)
+        for k in busy:  # another worker is computing these: wait for its result (or take over)
+            i = keys[k][0]
+            try:
+                res = await ex.resolve(k, *items[i])
+                results[i] = (True, res)
+            except Exception as exc:  # noqa: BLE001
+                results[i] = (False, type(exc).__name__, str(exc))
         if ex.cache_mode != "off":
             for idxs in keys.values():
                 for i in idxs[1:]:
@@ -186,10 +224,14 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
     run.refresh_from_db()
     job = run.job
     try:
+        cache_spec = verify_cache_spec(job)
         ex = VerifyExecutor(run.verifier, run.verifier_options, cache=job.verify_cache or "job",
-                            concurrency=settings.VERIFY_JOB_CONCURRENCY)
+                            concurrency=settings.VERIFY_JOB_CONCURRENCY, shared_url=cache_spec["verify_cache_url"],
+                            shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"])
         verifier_fields = set()
         pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None
+        if pool is not None:
+            ex.pooled = _pool_one(pool)
         if ex.name == "code":
             from workers.verifiers import sandbox
             mode, why = sandbox.mode()
@@ -284,11 +326,17 @@ def summary(job) -> dict | None:
 def collection_cache(job) -> dict:
     """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
     hits = lookups = 0
-    for worker in JobMetricSample.objects.filter(job=job).values_list("worker", flat=True).distinct():
+    shared, errors = False, set()
+    # order_by(): the model's default ordering (job, t) would put t into the DISTINCT and repeat each series
+    for worker in JobMetricSample.objects.filter(job=job).order_by().values_list("worker", flat=True).distinct():
         last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()
         hits += int((last or {}).get("verify_cache_hits") or 0)
         lookups += int((last or {}).get("verify_cache_lookups") or 0)
-    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None}
+        shared = shared or bool((last or {}).get("verify_cache_shared"))
+        if (last or {}).get("verify_cache_error"):
+            errors.add(last["verify_cache_error"])
+    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None, "shared": shared,
+            "errors": sorted(errors)}
 
 
 def panel_context(job) -> dict:

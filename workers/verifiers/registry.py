@@ -32,14 +32,18 @@ class FunctionVerifier(Verifier):
     """Wraps a function `(row, response_text, options) -> float | VerifyResult | (reward, fields)`."""
 
     def __init__(self, fn: Callable, name: str, *, required_fields=(), options=None, kind="cpu", fast=None,
-                 description=""):
+                 description="", version=""):
         self.fn = fn
+        self.version = version
         self.fast_fn = fast
         self.name = name
         self.required_fields = tuple(required_fields)
         self.options = dict(options or {})
         self.kind = kind
         self.description = description or (fn.__doc__ or "").strip().split("\n")[0]
+
+    def _source_of(self):
+        return self.fn
 
     @staticmethod
     def _result(value) -> VerifyResult:
@@ -72,14 +76,15 @@ class FunctionVerifier(Verifier):
 
 
 def verifier(fn: Callable | None = None, *, required_fields: Iterable[str] = ("expected_answer",),
-             options: dict | None = None, kind: str = "cpu", fast: Callable | None = None):
-    """Mark a function as a verifier usable by dotted path or entry point."""
+             options: dict | None = None, kind: str = "cpu", fast: Callable | None = None, version: str = ""):
+    """Mark a function as a verifier usable by dotted path or entry point. `version`: bump it when results
+    change without a code change (cached results are keyed by it and by a hash of the function's module)."""
     if kind not in ("cpu", "io", "remote"):
         raise ValueError(f"kind must be cpu, io or remote, not {kind!r}")
 
     def mark(f):
         f.__verifier__ = {"required_fields": tuple(required_fields), "options": dict(options or {}), "kind": kind,
-                          "fast": fast}
+                          "fast": fast, "version": str(version)}
         return f
 
     return mark(fn) if fn is not None else mark
