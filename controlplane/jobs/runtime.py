@@ -200,7 +200,7 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> st
                 state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
             return "lost_lease"
         if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
-            services.finalize_job(job)
+            services.finalize_job(job, launch=redispatch)
         return "done"
     except Exception as exc:
         logger.exception("chunk %s failed", chunk_id)
@@ -241,7 +241,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
             chunk_ids = list(JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE)
                              .order_by("index").values_list("pk", flat=True))
             if not chunk_ids:
-                services.finalize_job(job)
+                services.finalize_job(job, launch=False)
                 break
             progressed = False
             for chunk_id in chunk_ids:
@@ -268,6 +268,11 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                 pass
         raise
     job.refresh_from_db()
+    if job.state == JobState.COMPLETED:  # a fast job's exact pass, in this process too
+        from .verification import run_pending
+
+        run_pending(job, worker_name)
+        job.refresh_from_db()
     return job
 
 

@@ -256,9 +256,11 @@ def compute_summaries(job, batch_size=2000):
     return agg.result(), timing.result()
 
 
-def finalize_job(job):
-    """When every chunk is done: store aggregate metrics and the timing summary, then complete.
-    Idempotent and safe to call from several workers at once. Returns the job (refreshed)."""
+def finalize_job(job, launch=True):
+    """When every chunk is done: store aggregate metrics and the timing summary, then complete; a `fast` job
+    gets its exact pass (a batch verification run) in the same transaction, sent to a worker when `launch`
+    (the CLI's inline runner runs it itself). Idempotent and safe to call from several workers at once.
+    Returns the job (refreshed)."""
     if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         job.refresh_from_db()
         if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
@@ -276,6 +278,10 @@ def finalize_job(job):
         fresh.timing_summary = timing_summary
         fresh.save(update_fields=["aggregate_metrics", "timing_summary"])
         fresh.complete()
+        if fresh.verify_mode == CollectionJob.VerifyMode.FAST and fresh.verifier not in ("", "none"):
+            from .verification import start_verification  # verification imports this module
+
+            start_verification(fresh, launch=launch, trigger="fast_exact_pass")
     _sync(job, fresh)
     logger.info("job %s completed: %d ok, %d failed", job.pk, job.completed_count, job.failed_count)
     publish_job_state(job)

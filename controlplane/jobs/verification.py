@@ -41,9 +41,10 @@ _OUTPUT_KEYS = {"response", "reward", "_ng_task_index", "_ng_rollout_index"}
 
 
 # --- starting --------------------------------------------------------------------------------
-def start_verification(job, *, verifier=None, verifier_options=None, launch=True) -> VerificationRun:
+def start_verification(job, *, verifier=None, verifier_options=None, launch=True, trigger="user") -> VerificationRun:
     """Verify a finished job's stored rollouts (the job's own verifier unless another is given). An
-    active run of the job is returned as is."""
+    active run of the job is returned as is. `trigger`: "user", or "fast_exact_pass" (started by the
+    job's completion in fast mode)."""
     existing = VerificationRun.objects.filter(job=job, state__in=[VerificationRun.State.PENDING,
                                                                   VerificationRun.State.RUNNING]).first()
     if existing is not None:
@@ -56,7 +57,7 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {})
     with transaction.atomic():
         run = VerificationRun.objects.create(
-            job=job, verifier=name, verifier_options=options,
+            job=job, verifier=name, verifier_options=options, info={"trigger": trigger},
             total=Rollout.objects.filter(job=job, status=Rollout.Status.OK).count()
             + Rollout.objects.filter(job=job, failure_class="verifier_error").count())
         if launch:
@@ -68,7 +69,16 @@ VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
 
 
 def dispatch(run):
-    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk))
+    # robust: a broker outage is logged, not raised after the run was committed; the watchdog re-sends
+    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk), robust=True)
+
+
+def run_pending(job, worker_name="") -> list[str]:
+    """Run the job's pending verification runs in this process (the CLI's inline path: a fast job's exact
+    pass). A run another worker holds is left to it."""
+    return [run_verification(pk, worker_name or "inline-verify")
+            for pk in VerificationRun.objects.filter(job=job, state=VerificationRun.State.PENDING)
+            .order_by("created_at").values_list("pk", flat=True)]
 
 
 # --- lease ----------------------------------------------------------------------------------
@@ -87,8 +97,19 @@ def acquire(run_id, lease) -> bool:
 
 
 def reclaim_stale(dispatch_again=True) -> list[int]:
-    """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again."""
+    """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again; a pending run
+    nobody took for a while (a message lost in a broker outage) is sent again (a duplicate finds it leased)."""
     out = []
+    lost_before = timezone.now() - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))
+    for run in VerificationRun.objects.filter(state=VerificationRun.State.PENDING, created_at__lt=lost_before).filter(
+            Q(heartbeat_at__lt=lost_before) | Q(heartbeat_at__isnull=True)):
+        # heartbeat_at of a pending run: when it was last re-sent, so it is re-sent once per period at most
+        if VerificationRun.objects.filter(pk=run.pk, state=VerificationRun.State.PENDING).update(heartbeat_at=timezone.now()):
+            logger.warning("verification run %s of job %s: still pending; sending it again", run.pk, run.job_id)
+            out.append(run.pk)
+            if dispatch_again:
+                with transaction.atomic():
+                    dispatch(run)
     for run in VerificationRun.objects.filter(state=VerificationRun.State.RUNNING).filter(
             Q(heartbeat_at__lt=_stale_before()) | Q(heartbeat_at__isnull=True)):
         if VerificationRun.objects.filter(pk=run.pk, lease_owner=run.lease_owner, state=VerificationRun.State.RUNNING,
@@ -229,6 +250,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                             concurrency=settings.VERIFY_JOB_CONCURRENCY, shared_url=cache_spec["verify_cache_url"],
                             shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"])
         verifier_fields = set()
+        fast_job = job.verify_mode == CollectionJob.VerifyMode.FAST and run.info.get("trigger") == "fast_exact_pass"
         pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None
         if pool is not None:
             ex.pooled = _pool_one(pool)
@@ -257,8 +279,11 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                 hits0, lookups0 = ex.hits, ex.lookups
                 results = loop.run_until_complete(_verify_batch(ex, pool, items))
                 errors = 0
+                agree = run.info.setdefault("fast_agreement", {"same": 0, "compared": 0}) if fast_job else None
                 for r, res in zip(rollouts, results):
                     data = dict(r.data)
+                    if fast_job and "fast_reward" not in data and r.reward is not None:
+                        data["fast_reward"] = r.reward  # the heuristic's reward, kept beside the exact one
                     if res[0]:
                         vr = res[1]
                         data["reward"] = float(vr.reward)
@@ -271,8 +296,12 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         r.reward, r.status, r.failure_class = 0.0, Rollout.Status.FAILED, "verifier_error"
                         r.error = f"verifier {run.verifier!r} raised {res[1]}: {res[2]}"[:2000]
                     r.data = data
+                    if agree is not None and data.get("fast_reward") is not None:
+                        agree["compared"] += 1
+                        agree["same"] += data["fast_reward"] == data["reward"]
                 with transaction.atomic():
                     if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+                            info=run.info,
                             cursor=rollouts[-1].id, verified=F("verified") + len(rollouts), errors=F("errors") + errors,
                             cache_hits=F("cache_hits") + ex.hits - hits0,
                             cache_lookups=F("cache_lookups") + ex.lookups - lookups0, heartbeat_at=timezone.now()):
