@@ -191,6 +191,9 @@ VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
 # The verification cache every worker of a job shares (Redis; "" keeps it per chunk run / per process).
 VERIFY_CACHE_URL = env("VERIFY_CACHE_URL", default=REDIS_URL)
 VERIFY_CACHE_TTL_S = env.int("VERIFY_CACHE_TTL_S", default=7 * 24 * 3600)
+# A worker computing a verification holds a claim this long; the others wait for it at most that long
+# (a dead worker's claim expires; a slower verification is then computed twice, never wrong).
+VERIFY_CACHE_CLAIM_S = env.float("VERIFY_CACHE_CLAIM_S", default=60.0)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
 JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)

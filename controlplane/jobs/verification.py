@@ -248,7 +248,8 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
         cache_spec = verify_cache_spec(job)
         ex = VerifyExecutor(run.verifier, run.verifier_options, cache=job.verify_cache or "job",
                             concurrency=settings.VERIFY_JOB_CONCURRENCY, shared_url=cache_spec["verify_cache_url"],
-                            shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"])
+                            shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"],
+                            shared_claim_s=cache_spec["verify_cache_claim_s"])
         verifier_fields = set()
         fast_job = job.verify_mode == CollectionJob.VerifyMode.FAST and run.info.get("trigger") == "fast_exact_pass"
         pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None

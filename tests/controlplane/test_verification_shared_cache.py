@@ -148,3 +148,28 @@ def test_changed_verifier_code_gets_other_keys():
         assert VerifyExecutor("tests.verifier_plugins:counted", {}, cache="job").key({"expected_answer": "1"}, "x") != k1
     finally:
         v.__dict__["_fingerprint"] = fp
+
+
+def test_a_dead_workers_claim_expires_and_the_work_is_taken_over(counter):
+    """A worker claimed a verification and died: the others wait no longer than the claim's life."""
+    import time
+
+    key, computed = counter
+    scope = f"test:{uuid.uuid4().hex}"
+    options = {"counter_url": REDIS_URL, "counter": key, "sleep_s": 0.0}
+    row, text = {"expected_answer": "4"}, "\\boxed{4}"
+
+    async def main():
+        ex = VerifyExecutor("tests.verifier_plugins:counted_io", options, cache="job", shared_url=REDIS_URL,
+                            shared_scope=scope, shared_claim_s=1.0)
+        r = redis.Redis.from_url(REDIS_URL)
+        r.set(f"rcp:vcache:{scope}:{ex.key(row, text)}:claim", b"1", px=1000)  # the dead worker's claim
+        r.close()
+        t0 = time.monotonic()
+        try:
+            return await ex.verify(row, text), time.monotonic() - t0
+        finally:
+            await ex.aclose()
+
+    result, waited = asyncio.run(main())
+    assert result.reward == 1.0 and computed() == 1 and 0.5 < waited < 5

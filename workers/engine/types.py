@@ -61,6 +61,7 @@ class CollectionSpec:
     verify_cache_url: str | None = None
     verify_cache_scope: str = ""
     verify_cache_ttl_s: int = 7 * 24 * 3600
+    verify_cache_claim_s: float = 60.0  # how long others wait for a worker computing the same work (it may have died)
     worker_name: str = ""
     pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
 

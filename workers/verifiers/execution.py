@@ -53,7 +53,7 @@ def cache_key(name: str, options: dict, fast: bool, text: str, row: dict, fields
 class VerifyExecutor:
     def __init__(self, name: str, options: dict | None, *, fast: bool = False, cache: str = "job",
                  concurrency: int = 32, pooled: Callable | None = None, shared_url: str | None = None,
-                 shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 300.0):
+                 shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 60.0):
         self.verifier = get_verifier(name)  # ValueError for an unknown name
         self.name = name
         self.cache_name = f"{name}@{self.verifier.fingerprint()}"  # changed verifier code: other keys

@@ -40,7 +40,7 @@ def decode(raw) -> VerifyResult:
 
 
 class SharedVerifyCache:
-    def __init__(self, url: str, scope: str, *, ttl_s: int = 7 * 24 * 3600, claim_ttl_s: float = 300.0,
+    def __init__(self, url: str, scope: str, *, ttl_s: int = 7 * 24 * 3600, claim_ttl_s: float = 60.0,
                  timeout_s: float = 5.0):
         import redis.asyncio as aioredis  # the engine stays importable without Redis
 
