@@ -39,6 +39,7 @@ from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState
 from .sink import ChunkTasks, DbControl, DbSink, DbThread, chunk_parallelism_share
+from .verify_cache import verify_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +88,6 @@ def build_spec(job, worker_name="") -> CollectionSpec:
         verify_concurrency=settings.VERIFY_CONCURRENCY, **verify_cache_spec(job),
     )
 
-
-def verify_cache_scope(job) -> str:
-    """The shared cache's scope: the job (its id and creation time: ids of a rebuilt database never meet old
-    entries) or every job ("global")."""
-    if job.verify_cache == "global":
-        return "global"
-    return f"job:{job.pk}:{int(job.created_at.timestamp())}"
-
-
-def verify_cache_spec(job) -> dict:
-    """Where the verification cache lives for this job's runs (collection chunks and verification runs)."""
-    url = settings.VERIFY_CACHE_URL if job.verify_cache != "off" else ""
-    return {"verify_cache_url": url or None, "verify_cache_scope": verify_cache_scope(job) if url else "",
-            "verify_cache_ttl_s": settings.VERIFY_CACHE_TTL_S, "verify_cache_claim_s": settings.VERIFY_CACHE_CLAIM_S}
 
 
 def instrumentation(job) -> Instrumentation:

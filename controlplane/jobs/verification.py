@@ -31,7 +31,7 @@ from workers.verifiers.execution import VerifyExecutor, verify_items
 from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
-from .runtime import verify_cache_spec
+from .verify_cache import verify_cache_spec
 from .verifier_checks import check_verifier
 
 logger = logging.getLogger(__name__)
@@ -55,22 +55,11 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     if not name or name == "none":
         raise ValidationError({"verifier": "the job has no verifier: name one to verify with"})
     _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {})
-    with transaction.atomic():
-        run = VerificationRun.objects.create(
-            job=job, verifier=name, verifier_options=options, info={"trigger": trigger},
-            total=Rollout.objects.filter(job=job, status=Rollout.Status.OK).count()
-            + Rollout.objects.filter(job=job, failure_class="verifier_error").count())
-        if launch:
-            dispatch(run)
-    return run
+    return services.create_verification_run(job, name, options, trigger=trigger, launch=launch)
 
 
-VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
-
-
-def dispatch(run):
-    # robust: a broker outage is logged, not raised after the run was committed; the watchdog re-sends
-    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk), robust=True)
+VERIFY_JOB_TASK = services.VERIFY_JOB_TASK
+dispatch = services.dispatch_verification
 
 
 def run_pending(job, worker_name="") -> list[str]:
