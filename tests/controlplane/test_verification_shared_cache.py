@@ -173,3 +173,52 @@ def test_a_dead_workers_claim_expires_and_the_work_is_taken_over(counter):
 
     result, waited = asyncio.run(main())
     assert result.reward == 1.0 and computed() == 1 and 0.5 < waited < 5
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+@pytest.mark.django_db(transaction=True)
+def test_two_real_celery_workers_compute_identical_work_once(user, math_dataset, sim_endpoint, simulator_factory,
+                                                              counter, tmp_path, monkeypatch):
+    """The same, with the job's chunks taken by two real Celery worker processes."""
+    import sys
+    import time
+
+    from controlplane.celery import app
+    from controlplane.jobs.models import JobChunk
+
+    from .test_jobs_e2e import Proc, _database_url
+
+    key, computed = counter
+    sim = simulator_factory(seed=11, math_accuracy=0.9, ttft_ms=20, itl_ms=0, jitter=0)
+    job = services.create_job(owner=user, dataset=math_dataset(rows=_rows()), endpoint=sim_endpoint(sim.url),
+                              launch=False, verifier="tests.verifier_plugins:counted", num_repeats=2, chunk_size=6,
+                              verifier_options={"counter_url": REDIS_URL, "counter": key, "sleep_s": 0.02},
+                              num_samples_in_parallel=8, responses_create_params={"max_output_tokens": 4})
+    queue = f"vcache-e2e-{uuid.uuid4().hex[:10]}"
+    env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue, "PYTHONUNBUFFERED": "1",
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "VERIFY_POOL_PROCESSES": "1"}
+    celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", queue,
+              "--without-gossip", "--without-mingle", "-l", "info"]
+    procs = [Proc(f"w{i}", [*celery, "-n", f"w{i}-{queue}@%h"], env, tmp_path) for i in (1, 2)]
+    monkeypatch.setattr(app.conf, "task_default_queue", queue)
+    try:
+        time.sleep(3)  # both workers listening before the chunks go out, so both take some
+        services.dispatch_chunks(job)
+        deadline = time.monotonic() + 300
+        while True:
+            job.refresh_from_db()
+            if job.state == JobState.COMPLETED:
+                break
+            assert job.state in JobState.UNFINISHED, job.error_message
+            assert time.monotonic() < deadline, "\n".join(p.tail() for p in procs)
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            p.stop()
+    owners = {o.split("#")[0].split(":")[1] for o in JobChunk.objects.filter(job=job).values_list("lease_owner", flat=True)}
+    assert len(owners) == 2, owners  # two worker processes (pids) took the chunks
+    rollouts = list(Rollout.objects.filter(job=job))
+    distinct = {(response_text(r.data["response"]), r.data["expected_answer"]) for r in rollouts}
+    assert len(rollouts) == 96 and len(distinct) < 48
+    assert computed() == len(distinct)
