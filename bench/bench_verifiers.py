@@ -9,6 +9,10 @@
    task: right, wrong, crashing, as a policy that has mostly converged produces), verified the way the
    batch verification job does (VerifyExecutor, --concurrency sandboxes at once), with the result cache
    per job vs off. rollouts/s = rollouts / wall time; rewards must be equal.
+3. cache per chunk vs job-wide: the same rollouts shuffled into --chunks chunks (a task's repeats land in
+   different chunks), taken by 2 workers at once, each chunk run with a fresh executor as a chunk task is:
+   a cache local to each chunk run vs the job-wide shared cache (Redis at $REDIS_URL). Sandbox runs =
+   verifications actually computed.
 
     .venv/bin/python -m bench.bench_verifiers                 # ~2 minutes on 2 shared cores
     .venv/bin/python -m bench.bench_verifiers --rollouts 200 --tasks 20
@@ -103,6 +107,36 @@ async def code_run(items, cache: str, concurrency: int) -> dict:
             "rewards": rewards}
 
 
+async def chunked_run(items, shared_url: str | None, chunks: int, concurrency: int, scope: str) -> dict:
+    order = list(range(len(items)))
+    random.Random(1).shuffle(order)
+    size = -(-len(order) // chunks)
+    parts = [order[i:i + size] for i in range(0, len(order), size)]
+    results: dict[int, float] = {}
+    counts = {"lookups": 0, "hits": 0}
+
+    async def worker(mine):
+        for part in mine:  # one chunk task after another, each with its own executor
+            ex = VerifyExecutor("code", {"wall_s": 5, "cpu_s": 2}, cache="job", concurrency=concurrency,
+                                shared_url=shared_url, shared_scope=scope)
+            try:
+                out = await asyncio.gather(*(ex.verify(items[i][0], items[i][1]) for i in part))
+            finally:
+                await ex.aclose()
+            assert not ex.shared_error, ex.shared_error
+            for i, r in zip(part, out):
+                results[i] = r.reward
+            counts["lookups"] += ex.lookups
+            counts["hits"] += ex.hits
+
+    t0 = time.monotonic()
+    await asyncio.gather(worker(parts[0::2]), worker(parts[1::2]))
+    wall = time.monotonic() - t0
+    assert [results[i] for i in range(len(items))] == [w for _, _, w in items], "a program was scored wrong"
+    return {"wall_s": wall, "rps": len(items) / wall, "computed": counts["lookups"] - counts["hits"],
+            "hit_rate": counts["hits"] / counts["lookups"]}
+
+
 async def main_async(args) -> dict:
     out = {}
     sim = start_simulator(seed=0, ttft_ms=0, itl_ms=0, jitter=0, math_accuracy=0.8)
@@ -123,6 +157,12 @@ async def main_async(args) -> dict:
     on = await code_run(items, "job", args.concurrency)
     assert off["rewards"] == on["rewards"]
     out["code"] = {"off": off, "job": on, "n": len(items), "sandbox": sandbox.mode()[0]}
+    import uuid
+
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    per_chunk = await chunked_run(items, None, args.chunks, args.concurrency // 2, "")
+    shared = await chunked_run(items, url, args.chunks, args.concurrency // 2, f"bench:{uuid.uuid4().hex}")
+    out["chunks"] = {"per_chunk": per_chunk, "shared": shared, "distinct": len({(r["task"], t) for r, t, _ in items})}
     return out
 
 
@@ -135,6 +175,7 @@ def main() -> int:
     ap.add_argument("--tasks", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=16, help="sandboxes at once")
+    ap.add_argument("--chunks", type=int, default=8, help="chunks of the job-wide cache comparison")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
@@ -154,6 +195,14 @@ def main() -> int:
     print(f"{'wall s':26} {code['job']['wall_s']:>20.1f} {code['off']['wall_s']:>20.1f}")
     print(f"{'cache hit rate':26} {code['job']['hit_rate']:>20.0%} {'-':>20}")
     print("rewards equal with and without the cache: yes")
+    ch = res["chunks"]
+    print(f"\n3. The same {code['n']} rollouts in {args.chunks} chunks (repeats spread over chunks), 2 workers at once, "
+          f"{args.concurrency // 2} sandboxes each; {ch['distinct']} distinct (task, program)")
+    print(f"{'':26} {'job-wide (Redis)':>20} {'per chunk run':>20} {'shared / per':>12}")
+    print(f"{'rollouts/s':26} {ch['shared']['rps']:>20.1f} {ch['per_chunk']['rps']:>20.1f} "
+          f"{ch['shared']['rps'] / ch['per_chunk']['rps']:>11.2f}x")
+    print(f"{'sandbox runs':26} {ch['shared']['computed']:>20} {ch['per_chunk']['computed']:>20}")
+    print(f"{'cache hit rate':26} {ch['shared']['hit_rate']:>20.0%} {ch['per_chunk']['hit_rate']:>20.0%}")
     if args.json:
         for k in ("off", "job"):
             code[k].pop("rewards")

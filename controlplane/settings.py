@@ -193,6 +193,12 @@ VERIFY_POOL_PROCESSES = env.int("VERIFY_POOL_PROCESSES", default=0) or None
 VERIFY_CONCURRENCY = env.int("VERIFY_CONCURRENCY", default=32)
 VERIFY_JOB_PROCESSES = env.int("VERIFY_JOB_PROCESSES", default=4)
 VERIFY_JOB_CONCURRENCY = env.int("VERIFY_JOB_CONCURRENCY", default=64)
+# The verification cache every worker of a job shares (Redis; "" keeps it per chunk run / per process).
+VERIFY_CACHE_URL = env("VERIFY_CACHE_URL", default=REDIS_URL)
+VERIFY_CACHE_TTL_S = env.int("VERIFY_CACHE_TTL_S", default=7 * 24 * 3600)
+# A worker computing a verification holds a claim this long; the others wait for it at most that long
+# (a dead worker's claim expires; a slower verification is then computed twice, never wrong).
+VERIFY_CACHE_CLAIM_S = env.float("VERIFY_CACHE_CLAIM_S", default=60.0)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
 # A chunk run retries its database work (rollout batches, heartbeats, reads) this long while the database
 # is unreachable (a restart, a failover), with exponential backoff, before it gives up.

@@ -196,12 +196,37 @@ def do_wait(client: Client, job_id: int, *, timeout_s: float | None, poll_s: flo
     finally:
         bar.close()
     p = job["progress"]
+    if job["state"] == "completed" and job.get("verify_mode") == "fast":
+        return _wait_exact_pass(client, job, deadline, poll_s)
     if job["state"] == "completed":
         log(f"job {job_id} completed: {p['completed']} ok, {p['failed']} failed")
         return job, EXIT_OK
     log(f"job {job_id} {job['state']}: {p['completed']} ok, {p['failed']} failed"
         + (f" — {job['error_message']}" if job.get("error_message") else ""))
     return job, EXIT_JOB
+
+
+def _wait_exact_pass(client: Client, job: dict, deadline, poll_s: float) -> tuple[dict, int]:
+    """A fast job's rewards are the heuristic's until its exact pass (started when collection ended) is done:
+    gates and exports wait for it."""
+    job_id = job["id"]
+    log(f"job {job_id} collected ({job['progress']['completed']} ok); waiting for the exact verifier's pass")
+    while True:
+        run = job.get("verification") or {}
+        if run.get("state") in ("done", "failed"):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            log(f"timed out waiting for job {job_id}'s exact pass ({run.get('verified')}/{run.get('total')} verified)")
+            return job, EXIT_TIMEOUT
+        time.sleep(poll_s)
+        job = client.job(job_id)
+    if run["state"] != "done":
+        log(f"job {job_id}: the exact pass failed: {run.get('error')}")
+        return job, EXIT_JOB
+    agree = (run.get("info") or {}).get("fast_agreement") or {}
+    same = f"; fast and exact agree on {agree['same']}/{agree['compared']}" if agree.get("compared") else ""
+    log(f"job {job_id} completed and verified exactly: {run['verified']} rollouts, {run['errors']} verifier errors{same}")
+    return job, EXIT_OK
 
 
 def do_export(client: Client, job_id: int, path: str, which: str = "ok") -> int:

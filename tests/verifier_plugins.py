@@ -34,3 +34,28 @@ def crash_when_flagged(row, response_text, options):
     if row.get("crash_verifier"):
         os._exit(3)
     return 1.0
+
+
+@verifier(required_fields=("expected_answer",), options={"counter_url": (str, ""), "counter": (str, ""),
+                                                         "sleep_s": (float, 0.0)}, kind="cpu")
+def counted(row, response_text, options):
+    """math's reward, and one INCR of Redis key `counter` per computation (the tests count real work)."""
+    import time
+
+    import redis
+
+    from workers.verifiers import verify_row
+
+    if options["sleep_s"]:
+        time.sleep(options["sleep_s"])  # widens the window in which two workers could do the same work
+    r = redis.Redis.from_url(options["counter_url"], socket_timeout=5)
+    r.incr(options["counter"])
+    r.close()
+    return verify_row("math", row, response_text)
+
+
+@verifier(required_fields=("expected_answer",), options={"counter_url": (str, ""), "counter": (str, ""),
+                                                         "sleep_s": (float, 0.0)}, kind="io")
+def counted_io(row, response_text, options):
+    """The same in a thread (io kind)."""
+    return counted(row, response_text, options)

@@ -88,6 +88,9 @@ class DatasetUploadSerializer(serializers.Serializer):
     description = serializers.CharField(required=False, allow_blank=True, default="")
     accept_partial = serializers.BooleanField(required=False, default=False,
                                               help_text="Keep the good lines of a file with bad lines")
+    verifier = serializers.CharField(max_length=300, required=False, allow_blank=True, default="",
+                                     help_text="Upload for this verifier: rows lacking a field it reads are bad lines "
+                                               "(line numbers in the report)")
 
 
 class DatasetListQuerySerializer(serializers.Serializer):
@@ -101,6 +104,7 @@ class DatasetUploadQuerySerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     description = serializers.CharField(required=False, allow_blank=True, default="")
     accept_partial = serializers.BooleanField(required=False, default=False)
+    verifier = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
 
 
 class BadLineSerializer(serializers.Serializer):

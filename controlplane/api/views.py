@@ -101,10 +101,16 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
             fileobj = params["file"]
             source_filename = getattr(fileobj, "name", "") or ""
         name = (params.get("name") or source_filename or f"upload {timezone.now():%Y-%m-%d %H:%M:%S}")[:200]
+        if params.get("verifier"):  # an unknown verifier is refused before the body is read
+            try:
+                dataset_services.verifier_fields(params["verifier"])
+            except ValueError as exc:
+                raise ValidationError({"verifier": [str(exc)]}) from None
         try:
             dataset = dataset_services.ingest_jsonl(fileobj, name=name, owner=request.user,
                                             accept_partial=params.get("accept_partial", False),
-                                            source_filename=source_filename[:500])
+                                            source_filename=source_filename[:500],
+                                            verifier=params.get("verifier") or "")
         except dataset_services.DatasetValidationError as exc:
             return Response(_rejection_body(exc), status=status.HTTP_400_BAD_REQUEST)
         if params.get("description") and not dataset.description:

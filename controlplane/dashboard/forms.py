@@ -33,6 +33,19 @@ class DatasetUploadForm(forms.Form):
     file = forms.FileField(help_text="NeMo Gym JSONL: one task per line")
     name = forms.CharField(max_length=200, required=False, help_text="defaults to the file name")
     accept_partial = forms.BooleanField(required=False, help_text="keep the good lines when some are bad")
+    verifier = forms.CharField(max_length=300, required=False,
+                               help_text="optional: rows lacking a field this verifier reads are bad lines")
+
+    def clean_verifier(self):
+        name = (self.cleaned_data.get("verifier") or "").strip()
+        if name:
+            from controlplane.datasets.services import verifier_fields
+
+            try:
+                verifier_fields(name)
+            except ValueError as exc:
+                raise forms.ValidationError(str(exc)) from None
+        return name
 
 
 class EndpointForm(forms.ModelForm):

@@ -254,8 +254,14 @@ def rollout_detail(request, rollout_id):
 def datasets(request):
     return render(request, "dashboard/datasets.html", {
         "datasets": list(visible_datasets(request.user)[:200]),
-        "form": DatasetUploadForm(),
+        "form": DatasetUploadForm(), "verifier_names": _verifier_names(),
     })
+
+
+def _verifier_names():
+    from workers.verifiers import known_names
+
+    return [n for n in known_names() if n != "none"]
 
 
 @login_required
@@ -264,13 +270,15 @@ def dataset_upload(request):
     form = DatasetUploadForm(request.POST, request.FILES)
     if not form.is_valid():
         if _wants_json(request):
-            return JsonResponse({"ok": False, "message": "invalid form", "errors": form.errors}, status=400)
-        return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form}, status=400)
+            message = "; ".join(f"{field}: {' '.join(errs)}" for field, errs in form.errors.items())
+            return JsonResponse({"ok": False, "message": f"invalid form: {message}", "errors": form.errors}, status=400)
+        return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form,
+                                                           "verifier_names": _verifier_names()}, status=400)
     f = form.cleaned_data["file"]
     name = form.cleaned_data.get("name") or f.name.rsplit(".", 1)[0]
     try:
         ds = ingest_jsonl(f, name=name, owner=request.user, accept_partial=form.cleaned_data.get("accept_partial", False),
-                          source_filename=f.name)
+                          source_filename=f.name, verifier=form.cleaned_data.get("verifier") or "")
     except DatasetValidationError as e:
         report = getattr(e, "report", {}) or {}
         rejected = getattr(e, "dataset", None)
@@ -279,7 +287,8 @@ def dataset_upload(request):
         if _wants_json(request):
             return JsonResponse(payload, status=400)
         return render(request, "dashboard/datasets.html", {
-            "datasets": list(visible_datasets(request.user)[:200]), "form": form, "upload_error": payload}, status=400)
+            "datasets": list(visible_datasets(request.user)[:200]), "form": form, "upload_error": payload,
+            "verifier_names": _verifier_names()}, status=400)
     url = reverse("dashboard:dataset", args=[ds.pk])
     if _wants_json(request):
         return JsonResponse({"ok": True, "dataset_id": ds.pk, "url": url, "row_count": ds.row_count,

@@ -5,6 +5,10 @@ for blank lines, BOM, line endings and the bad-line report are there) and bulk-i
 
 - A file with any bad line is rejected whole (no rows kept) unless accept_partial=True, in which case the
   good rows are kept and the report is stored. A file with no good rows at all is always rejected.
+- Uploaded for a verifier (`verifier=`), a row lacking a field that verifier reads is a bad line too (its
+  line number and the missing fields), so the error comes at upload rather than at launch.
+- Every upload also records which verifiers its rows can serve (`validation_report["verifiers"]`: per
+  verifier, the rows lacking its fields and their first line numbers), computed as the rows stream past.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Iterator
 from django.db import connection, transaction
 
 from workers.nemo_jsonl import Report, StreamStats, classify_lines, iter_chunks
+from workers.verifiers.registry import FieldFit, describe_fit, has_field, fit_candidates, resolve
 
 from .models import Dataset, DatasetRow
 from workers.task_index import TaskIndexTracker
@@ -95,6 +100,8 @@ def ingest_jsonl(
     description: str = "",
     raise_on_reject: bool = True,
     batch_rows: int = INSERT_BATCH_ROWS,
+    verifier: str = "",
+    verifier_options: dict | None = None,
 ) -> Dataset:
     """Stream a NeMo Gym JSONL file into a new Dataset.
 
@@ -102,7 +109,11 @@ def ingest_jsonl(
     accept_partial, or no good row at all — the Dataset is saved with status "rejected", no rows and
     the report in `validation_report`, and DatasetValidationError(message, report, dataset) is raised
     (or, with raise_on_reject=False, the rejected Dataset is returned).
+
+    `verifier` (a name, entry point or dotted path, with its `verifier_options`): rows lacking a field it
+    reads are bad lines. An unknown verifier or bad options raise ValueError before anything is stored.
     """
+    needed = verifier_fields(verifier, verifier_options) if verifier else ()
     if not source_filename:
         if isinstance(fileobj_or_path, (str, os.PathLike)):
             source_filename = os.path.basename(os.fspath(fileobj_or_path))
@@ -118,10 +129,16 @@ def ingest_jsonl(
     inserting = True  # stop inserting at the first bad line unless accept_partial
     chunks, close = iter_chunks(fileobj_or_path)
     indices = TaskIndexTracker()
+    fit = FieldFit(fit_candidates([verifier] if verifier else []))
     try:
         for lineno, row, text, err in classify_lines(chunks, stats, report):
+            if err is None and needed:  # before the task index is taken: a rejected row takes no position
+                missing = [f for f in needed if not has_field(row, f)]
+                if missing:
+                    err = f"lacks {', '.join(missing)}, which verifier {verifier!r} needs"
             err = err or indices.check(row, report.good_rows, lineno)
             if err is None:
+                fit.add(lineno, row)
                 if inserting:
                     writer.add(report.good_rows, lineno, row, text)
                 report.good_rows += 1
@@ -169,10 +186,27 @@ def ingest_jsonl(
         accepted_partial=bool(accept_partial and report.bad_line_count and not rejected),
         rejected=rejected, message=message,
     )
+    if not rejected:
+        dataset.validation_report["verifiers"] = fit.result()
+        dataset.validation_report["verifier_fit"] = describe_fit(dataset.validation_report["verifiers"])
+    if verifier:
+        dataset.validation_report["verifier"] = verifier
     dataset.save()
     if rejected and raise_on_reject:
         raise DatasetValidationError(message, dataset.validation_report, dataset)
     return dataset
+
+
+def verifier_fields(verifier: str, options: dict | None = None) -> tuple[str, ...]:
+    """The row fields `verifier` reads with these options; ValueError for an unknown verifier or bad options."""
+    v = resolve(verifier)
+    return tuple(v.required(v.validate_options(options or {})))
+
+
+def verifier_fit(dataset) -> dict:
+    """{verifier: {"fits", "lacking_rows", "lines", "missing", "required"}} recorded at upload ({} for
+    datasets uploaded before the fit was recorded)."""
+    return (dataset.validation_report or {}).get("verifiers") or {}
 
 
 # ------------------------------------------------------------------------------------------------

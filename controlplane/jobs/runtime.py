@@ -42,6 +42,7 @@ from .models import CollectionJob, InvalidTransition, JobChunk, JobState
 from .sink import (
     ChunkTasks, DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
 )
+from .verify_cache import verify_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ def build_spec(job, worker_name="") -> CollectionSpec:
         verify_mode=job.verify_mode,
         worker_name=worker_name,
         verify_cache=job.verify_cache, verify_processes=settings.VERIFY_POOL_PROCESSES,
-        verify_concurrency=settings.VERIFY_CONCURRENCY,
+        verify_concurrency=settings.VERIFY_CONCURRENCY, **verify_cache_spec(job),
     )
+
 
 
 def instrumentation(job) -> Instrumentation:
@@ -227,7 +229,7 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> st
             state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
         return "lost_lease"
     if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
-        services.finalize_job(job)
+        services.finalize_job(job, launch=redispatch)
     return "done"
 
 
@@ -258,7 +260,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
             if job.state not in JobState.RUNNABLE:
                 break
             if not chunk_ids:
-                services.finalize_job(job)
+                services.finalize_job(job, launch=False)
                 break
             progressed = False
             for chunk_id in chunk_ids:
@@ -285,6 +287,11 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                 pass
         raise
     job.refresh_from_db()
+    if job.state == JobState.COMPLETED:  # a fast job's exact pass, in this process too
+        from .verification import run_pending
+
+        run_pending(job, worker_name)
+        job.refresh_from_db()
     return job
 
 

@@ -25,7 +25,7 @@ from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
 
 from .events import publish_job_state
-from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout
+from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout, VerificationRun
 from .verifier_checks import check_dataset_fields, check_verifier
 
 logger = logging.getLogger(__name__)
@@ -256,9 +256,11 @@ def compute_summaries(job, batch_size=2000):
     return agg.result(), timing.result()
 
 
-def finalize_job(job):
-    """When every chunk is done: store aggregate metrics and the timing summary, then complete.
-    Idempotent and safe to call from several workers at once. Returns the job (refreshed)."""
+def finalize_job(job, launch=True):
+    """When every chunk is done: store aggregate metrics and the timing summary, then complete; a `fast` job
+    gets its exact pass (a batch verification run) in the same transaction, sent to a worker when `launch`
+    (the CLI's inline runner runs it itself). Idempotent and safe to call from several workers at once.
+    Returns the job (refreshed)."""
     if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         job.refresh_from_db()
         if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
@@ -276,10 +278,38 @@ def finalize_job(job):
         fresh.timing_summary = timing_summary
         fresh.save(update_fields=["aggregate_metrics", "timing_summary"])
         fresh.complete()
+        if fresh.verify_mode == CollectionJob.VerifyMode.FAST and fresh.verifier not in ("", "none"):
+            try:
+                _, options = check_verifier(fresh.verifier, fresh.verifier_options)
+            except ValidationError as exc:  # the verifier went away since launch: say so, keep the job
+                logger.error("job %s: no exact pass: %s", job.pk, exc)
+            else:
+                create_verification_run(fresh, fresh.verifier, options, trigger="fast_exact_pass", launch=launch)
     _sync(job, fresh)
     logger.info("job %s completed: %d ok, %d failed", job.pk, job.completed_count, job.failed_count)
     publish_job_state(job)
     return job
+
+
+VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
+
+
+def dispatch_verification(run):
+    # robust: a broker outage is logged, not raised after the run was committed; the watchdog re-sends
+    transaction.on_commit(lambda: send_task(VERIFY_JOB_TASK, run.pk), robust=True)
+
+
+def create_verification_run(job, verifier, options, *, trigger="user", launch=True):
+    """A batch verification run over the job's stored rollouts (verification.run_verification runs it), sent
+    to a worker after the transaction commits when `launch`. `trigger`: "user" or "fast_exact_pass"."""
+    with transaction.atomic():
+        run = VerificationRun.objects.create(
+            job=job, verifier=verifier, verifier_options=options, info={"trigger": trigger},
+            total=Rollout.objects.filter(job=job, status=Rollout.Status.OK).count()
+            + Rollout.objects.filter(job=job, failure_class="verifier_error").count())
+        if launch:
+            dispatch_verification(run)
+    return run
 
 
 def fail_job(job, message):

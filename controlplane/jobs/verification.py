@@ -27,11 +27,12 @@ from django.utils import timezone
 
 from controlplane.monitoring.metrics import record_verify_batch
 from workers.engine.convert import response_text
-from workers.verifiers.execution import VerifyExecutor, cache_key, verify_items
+from workers.verifiers.execution import VerifyExecutor, verify_items
 
 from . import services
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
+from .verify_cache import verify_cache_spec
 from .verifier_checks import check_verifier
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,10 @@ _OUTPUT_KEYS = {"response", "reward", "_ng_task_index", "_ng_rollout_index"}
 
 
 # --- starting --------------------------------------------------------------------------------
-def start_verification(job, *, verifier=None, verifier_options=None, launch=True) -> VerificationRun:
+def start_verification(job, *, verifier=None, verifier_options=None, launch=True, trigger="user") -> VerificationRun:
     """Verify a finished job's stored rollouts (the job's own verifier unless another is given). An
-    active run of the job is returned as is."""
+    active run of the job is returned as is. `trigger`: "user", or "fast_exact_pass" (started by the
+    job's completion in fast mode)."""
     existing = VerificationRun.objects.filter(job=job, state__in=[VerificationRun.State.PENDING,
                                                                   VerificationRun.State.RUNNING]).first()
     if existing is not None:
@@ -54,21 +56,19 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     if not name or name == "none":
         raise ValidationError({"verifier": "the job has no verifier: name one to verify with"})
     _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {})
-    with transaction.atomic():
-        run = VerificationRun.objects.create(
-            job=job, verifier=name, verifier_options=options,
-            total=Rollout.objects.filter(job=job, status=Rollout.Status.OK).count()
-            + Rollout.objects.filter(job=job, failure_class="verifier_error").count())
-        if launch:
-            dispatch(run)
-    return run
+    return services.create_verification_run(job, name, options, trigger=trigger, launch=launch)
 
 
-VERIFY_JOB_TASK = "controlplane.jobs.tasks.verify_job_task"
+VERIFY_JOB_TASK = services.VERIFY_JOB_TASK
+dispatch = services.dispatch_verification
 
 
-def dispatch(run):
-    transaction.on_commit(lambda: services.send_task(VERIFY_JOB_TASK, run.pk))
+def run_pending(job, worker_name="") -> list[str]:
+    """Run the job's pending verification runs in this process (the CLI's inline path: a fast job's exact
+    pass). A run another worker holds is left to it."""
+    return [run_verification(pk, worker_name or "inline-verify")
+            for pk in VerificationRun.objects.filter(job=job, state=VerificationRun.State.PENDING)
+            .order_by("created_at").values_list("pk", flat=True)]
 
 
 # --- lease ----------------------------------------------------------------------------------
@@ -87,8 +87,19 @@ def acquire(run_id, lease) -> bool:
 
 
 def reclaim_stale(dispatch_again=True) -> list[int]:
-    """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again."""
+    """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again; a pending run
+    nobody took for a while (a message lost in a broker outage) is sent again (a duplicate finds it leased)."""
     out = []
+    lost_before = timezone.now() - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))
+    for run in VerificationRun.objects.filter(state=VerificationRun.State.PENDING, created_at__lt=lost_before).filter(
+            Q(heartbeat_at__lt=lost_before) | Q(heartbeat_at__isnull=True)):
+        # heartbeat_at of a pending run: when it was last re-sent, so it is re-sent once per period at most
+        if VerificationRun.objects.filter(pk=run.pk, state=VerificationRun.State.PENDING).update(heartbeat_at=timezone.now()):
+            logger.warning("verification run %s of job %s: still pending; sending it again", run.pk, run.job_id)
+            out.append(run.pk)
+            if dispatch_again:
+                with transaction.atomic():
+                    dispatch(run)
     for run in VerificationRun.objects.filter(state=VerificationRun.State.RUNNING).filter(
             Q(heartbeat_at__lt=_stale_before()) | Q(heartbeat_at__isnull=True)):
         if VerificationRun.objects.filter(pk=run.pk, lease_owner=run.lease_owner, state=VerificationRun.State.RUNNING,
@@ -138,16 +149,26 @@ def _input_row(data: dict, verifier_fields: set) -> dict:
     return {k: v for k, v in data.items() if k not in _OUTPUT_KEYS and k not in verifier_fields}
 
 
+def _pool_one(pool):
+    """The executor's `pooled` hook for single items (keys another worker was computing when it gave up)."""
+    async def one(name, row, text, options, fast):
+        (res,) = await asyncio.get_running_loop().run_in_executor(pool, verify_items, [(name, row, text, options, fast)])
+        if not res[0]:
+            raise RuntimeError(f"{res[1]}: {res[2]}")
+        return res[1]
+    return one
+
+
 async def _verify_batch(ex: VerifyExecutor, pool, items):
     """[(True, VerifyResult) | (False, type, msg)] for [(row, text)]."""
     if ex.kind == "cpu" and pool is not None:
         loop = asyncio.get_running_loop()
         per = max(1, len(items) // (pool._max_workers * 4))
-        # cache first (identical work once), then the rest to the pool in slices
+        # cache first (identical work once: in this batch, then in the shared cache), the rest to the pool in slices
         keys, todo, results = {}, [], [None] * len(items)
         for i, (row, text) in enumerate(items):
             if ex.cache_mode != "off":
-                k = cache_key(ex.name, ex.options, ex.fast, text, row, ex.fields)
+                k = ex.key(row, text)
                 ex.lookups += 1
                 if k in keys:
                     ex.hits += 1
@@ -155,12 +176,39 @@ async def _verify_batch(ex: VerifyExecutor, pool, items):
                     continue
                 keys[k] = [i]
             todo.append(i)
+        busy = set()
+        mine = set()
+        if ex.shared is not None and keys:
+            try:
+                found, mine, busy = await ex.shared.get_or_claim_many(list(keys))
+            except Exception as exc:  # noqa: BLE001
+                ex.shared_failed(exc)
+                found = {}
+            for k, res in found.items():
+                ex.hits += 1
+                results[keys[k][0]] = (True, res)
+            todo = [keys[k][0] for k in keys if k in mine] if ex.shared is not None else todo
         slices = [todo[j:j + per] for j in range(0, len(todo), per)]
         futs = [loop.run_in_executor(pool, verify_items, [(ex.name, items[i][0], items[i][1], ex.options, ex.fast)
                                                           for i in sl]) for sl in slices]
         for sl, out in zip(slices, await asyncio.gather(*futs)):
             for i, res in zip(sl, out):
                 results[i] = res
+        if ex.shared is not None and mine:
+            key_of = {keys[k][0]: k for k in mine}
+            done = {key_of[i]: results[i][1] for i in todo if i in key_of and results[i][0]}
+            try:
+                await ex.shared.put_many(done)
+                await ex.shared.release_many(k for k in mine if k not in done)  # errors are not cached
+            except Exception as exc:  # noqa: BLE001
+                ex.shared_failed(exc)
+        for k in busy:  # another worker is computing these: wait for its result (or take over)
+            i = keys[k][0]
+            try:
+                res = await ex.resolve(k, *items[i])
+                results[i] = (True, res)
+            except Exception as exc:  # noqa: BLE001
+                results[i] = (False, type(exc).__name__, str(exc))
         if ex.cache_mode != "off":
             for idxs in keys.values():
                 for i in idxs[1:]:
@@ -187,10 +235,16 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
     run.refresh_from_db()
     job = run.job
     try:
+        cache_spec = verify_cache_spec(job)
         ex = VerifyExecutor(run.verifier, run.verifier_options, cache=job.verify_cache or "job",
-                            concurrency=settings.VERIFY_JOB_CONCURRENCY)
+                            concurrency=settings.VERIFY_JOB_CONCURRENCY, shared_url=cache_spec["verify_cache_url"],
+                            shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"],
+                            shared_claim_s=cache_spec["verify_cache_claim_s"])
         verifier_fields = set()
+        fast_job = job.verify_mode == CollectionJob.VerifyMode.FAST and run.info.get("trigger") == "fast_exact_pass"
         pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None
+        if pool is not None:
+            ex.pooled = _pool_one(pool)
         if ex.name == "code":
             from workers.verifiers import sandbox
             mode, why = sandbox.mode()
@@ -216,8 +270,11 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                 hits0, lookups0 = ex.hits, ex.lookups
                 results = loop.run_until_complete(_verify_batch(ex, pool, items))
                 errors = 0
+                agree = run.info.setdefault("fast_agreement", {"same": 0, "compared": 0}) if fast_job else None
                 for r, res in zip(rollouts, results):
                     data = dict(r.data)
+                    if fast_job and "fast_reward" not in data and r.reward is not None:
+                        data["fast_reward"] = r.reward  # the heuristic's reward, kept beside the exact one
                     if res[0]:
                         vr = res[1]
                         data["reward"] = float(vr.reward)
@@ -230,9 +287,13 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         r.reward, r.status, r.failure_class = 0.0, Rollout.Status.FAILED, "verifier_error"
                         r.error = f"verifier {run.verifier!r} raised {res[1]}: {res[2]}"[:2000]
                     r.data = data
+                    if agree is not None and data.get("fast_reward") is not None:
+                        agree["compared"] += 1
+                        agree["same"] += data["fast_reward"] == data["reward"]
                 write_t0 = time.perf_counter()
                 with transaction.atomic():
                     if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+                            info=run.info,
                             cursor=rollouts[-1].id, verified=F("verified") + len(rollouts), errors=F("errors") + errors,
                             cache_hits=F("cache_hits") + ex.hits - hits0,
                             cache_lookups=F("cache_lookups") + ex.lookups - lookups0, heartbeat_at=timezone.now()):
@@ -287,11 +348,17 @@ def summary(job) -> dict | None:
 def collection_cache(job) -> dict:
     """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
     hits = lookups = 0
-    for worker in JobMetricSample.objects.filter(job=job).values_list("worker", flat=True).distinct():
+    shared, errors = False, set()
+    # order_by(): the model's default ordering (job, t) would put t into the DISTINCT and repeat each series
+    for worker in JobMetricSample.objects.filter(job=job).order_by().values_list("worker", flat=True).distinct():
         last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()
         hits += int((last or {}).get("verify_cache_hits") or 0)
         lookups += int((last or {}).get("verify_cache_lookups") or 0)
-    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None}
+        shared = shared or bool((last or {}).get("verify_cache_shared"))
+        if (last or {}).get("verify_cache_error"):
+            errors.add(last["verify_cache_error"])
+    return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None, "shared": shared,
+            "errors": sorted(errors)}
 
 
 def panel_context(job) -> dict:

@@ -57,6 +57,18 @@ def test_user_verifier_and_deferred_verification_through_cli_and_api(stack, simu
     assert job["verification"]["state"] == "done" and job["verification"]["verified"] == 30
     assert 0.2 <= job["aggregate_metrics"]["mean/reward"] <= 1.0
 
+    # CLI: a fast job: the exact pass runs by itself on the worker; `run` waits for it before the gate and the export
+    out = tmp_path / "fast.jsonl"
+    r = cli(url, token, "run", *common, "--verify-mode", "fast", "--name", "fast", "--metric", "mean/reward",
+            "--min", 0.0, "-o", out)
+    assert r.returncode == 0, r.stderr + "\n".join(p.tail() for p in procs)
+    fast_id = int(r.stdout.strip().splitlines()[-1])
+    assert "waiting for the exact verifier's pass" in r.stderr and "verified exactly: 30 rollouts" in r.stderr
+    status, job = _api(url, token, "GET", f"jobs/{fast_id}/")
+    assert job["verification"]["state"] == "done" and job["verification"]["info"]["trigger"] == "fast_exact_pass"
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 30 and all("library_reward" in x and "fast_reward" in x for x in rows)  # exact fields exported
+
     # API: verify again with another verifier (a user's, by dotted path): 202, then done
     status, job = _api(url, token, "POST", f"jobs/{deferred_id}/verify/",
                        {"verifier": "tests.verifier_plugins.Length", "verifier_options": {"min_words": 1}})

@@ -97,16 +97,29 @@ def test_fast_job_gets_the_exact_verifier_later_and_repeats_hit_the_cache(user, 
     # 4 output tokens: just "The answer is \boxed{N}", so repeats often give the same response
     job = _job(user, ds, sim_endpoint(sim.url), verify_mode="fast", verifier="math", num_repeats=40,
                responses_create_params={"max_output_tokens": 4})
-    fast_fields = Rollout.objects.filter(job=job).first().data
-    assert "library_reward" not in fast_fields  # the heuristic ran, not math-verify
-    run = verification.start_verification(job, launch=False)
-    assert verification.run_verification(run.pk, "w") == "done"
-    run.refresh_from_db()
+    # the exact pass ran by itself when collection ended (here in the inline runner's process)
+    run = VerificationRun.objects.get(job=job)
+    assert run.state == "done" and run.info["trigger"] == "fast_exact_pass" and run.verified == 40
+    agree = run.info["fast_agreement"]
+    fast_equal = 0
     for r in Rollout.objects.filter(job=job):
-        exact = verify_row("math", rows[0], response_text(r.data["response"]))
+        text = response_text(r.data["response"])
+        exact = verify_row("math", rows[0], text)
         assert r.reward == exact.reward and r.data["library_reward"] == exact.fields["library_reward"]
+        assert r.data["fast_reward"] == verify_row("math", rows[0], text, fast=True).reward  # the heuristic's, kept
+        fast_equal += r.data["fast_reward"] == r.reward
+    assert agree == {"same": fast_equal, "compared": 40}
     distinct = len({response_text(r.data["response"]) for r in Rollout.objects.filter(job=job)})
     assert run.cache_lookups == 40 and run.cache_hits == 40 - distinct and distinct < 40
+    job.refresh_from_db()
+    assert job.aggregate_metrics["mean/reward"] == pytest.approx(sum(
+        r.reward for r in Rollout.objects.filter(job=job)) / 40)
+    # a second pass (a re-verification) finds every result in the job's cache and keeps fast_reward
+    again = verification.start_verification(job, launch=False)
+    assert verification.run_verification(again.pk, "w") == "done"
+    again.refresh_from_db()
+    assert again.cache_hits == again.cache_lookups == 40 and again.info["trigger"] == "user"
+    assert "fast_agreement" not in again.info
 
 
 def test_only_completed_jobs_are_verified(user, math_dataset, sim_endpoint):
@@ -116,3 +129,45 @@ def test_only_completed_jobs_are_verified(user, math_dataset, sim_endpoint):
 
     with pytest.raises(InvalidTransition, match="cannot verify a job that is queued"):
         verification.start_verification(job, launch=False)
+
+
+def test_fast_job_completion_sends_its_exact_pass_to_a_worker(user, math_dataset, sim_endpoint, simulator,
+                                                              django_capture_on_commit_callbacks, monkeypatch):
+    """Through Celery (not the inline runner): the last chunk's completion creates the exact pass in the same
+    transaction and sends it; the job API shows it until it is done."""
+    from controlplane.jobs import tasks
+
+    sent = []
+    monkeypatch.setattr(tasks.verify_job_task, "delay", lambda *a: sent.append(a))
+    job = services.create_job(owner=user, dataset=math_dataset(6), endpoint=sim_endpoint(simulator.url), launch=False,
+                              verify_mode="fast", verifier="math")
+    chunk = job.chunks.get()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert runtime.run_chunk(chunk.pk, "celery-like") == "done"
+    job.refresh_from_db()
+    run = VerificationRun.objects.get(job=job)
+    assert job.state == JobState.COMPLETED and sent == [(run.pk,)] and run.state == "pending"
+    assert verification.summary(job)["info"]["trigger"] == "fast_exact_pass"
+    from django.test import Client
+    from rest_framework.test import APIClient
+
+    web, api = Client(), APIClient()
+    web.force_login(user)
+    api.force_authenticate(user)
+    page = web.get(f"/jobs/{job.pk}/").content.decode()
+    assert "exact pass (started when collection ended)" in page and "it starts by itself when collection ends" in page
+    body = api.get(f"/api/jobs/{job.pk}/").json()
+    assert body["verification"]["state"] == "pending" and body["verification"]["info"]["trigger"] == "fast_exact_pass"
+    assert verification.run_verification(run.pk, "worker") == "done"
+    assert verification.summary(job)["state"] == "done"
+    body = api.get(f"/api/jobs/{job.pk}/").json()
+    agree = body["verification"]["info"]["fast_agreement"]
+    assert body["verification"]["state"] == "done" and agree["compared"] == 6
+    page = web.get(f"/jobs/{job.pk}/").content.decode()
+    assert f"({agree['same']} / 6); the heuristic's stays in each rollout as <code>fast_reward</code>" in page
+    # an inline or deferred job gets none
+    other = services.create_job(owner=user, dataset=math_dataset(3), endpoint=sim_endpoint(simulator.url), launch=False,
+                                verify_mode="deferred", verifier="math")
+    with django_capture_on_commit_callbacks(execute=True):
+        assert runtime.run_chunk(other.chunks.get().pk, "celery-like") == "done"
+    assert not VerificationRun.objects.filter(job=other).exists() and len(sent) == 1

@@ -57,6 +57,11 @@ class CollectionSpec:
     verify_processes: int | None = None  # process pool size for CPU-bound verifiers (default: cores)
     verify_concurrency: int = 32  # io / remote verifiers (sandboxed code, LLM judge): calls at once
     verify_cache: str = "job"  # "off" | "job" (one cache per run) | "global" (shared by the worker's runs)
+    # Redis shared by every chunk / worker of the job (job scope) or of all jobs ("global"); None: local only
+    verify_cache_url: str | None = None
+    verify_cache_scope: str = ""
+    verify_cache_ttl_s: int = 7 * 24 * 3600
+    verify_cache_claim_s: float = 60.0  # how long others wait for a worker computing the same work (it may have died)
     worker_name: str = ""
     pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
 

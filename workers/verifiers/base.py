@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,24 @@ class Verifier:
     required_fields: tuple[str, ...] = ("expected_answer",)
     options: dict[str, tuple] | None = None  # None: not declared (older verifiers): options pass unchecked
     description = ""
+    version = ""  # bump when results change without a code change (a new model or data file behind it)
+
+    def _source_of(self):
+        return type(self)
+
+    def fingerprint(self) -> str:
+        """The declared version plus a hash of the module the verifier is written in: the verification cache
+        keys on it, so edited verifier code never serves a result of the old code."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            obj = self._source_of()
+            try:
+                src = inspect.getsource(inspect.getmodule(obj) or obj)
+            except (OSError, TypeError):
+                src = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+            digest = hashlib.blake2b(src.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
+            fp = self.__dict__["_fingerprint"] = f"{self.version}-{digest}" if self.version else digest
+        return fp
 
     @property
     def cpu_bound(self) -> bool:

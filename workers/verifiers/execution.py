@@ -5,22 +5,27 @@
 * remote  -> `averify` on the event loop, at most `concurrency` calls in flight (the judge adds its own)
 * loop    -> older verifiers that declare no kind and are not cpu_bound: called on the event loop
 
-Cache: identical (verifier, options, fast, response text, the row fields the verifier declares) are
-computed once. `cache="job"` keeps one cache per executor (one chunk run: all repeats of a task are in
-the same chunk); `cache="global"` shares one bounded cache between every run of the worker process
-(across jobs); `cache="off"` disables it. Concurrent identical requests wait for the first.
+Cache: identical (verifier@fingerprint, options, fast, response text, the row fields the verifier declares)
+are computed once. With a `shared_url` (Redis; `shared_cache.SharedVerifyCache`) the cache is shared by every
+chunk and worker of a job (`cache="job"`, scope "job:<id>:...") or of every job (`cache="global"`), and by
+later verification runs of the same job; identical work in flight on two workers is computed once. Without
+one, `cache="job"` keeps one cache per executor (one chunk run) and `cache="global"` one bounded cache per
+worker process. `cache="off"` disables it. Concurrent identical requests in one run wait for the first.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from .base import VerifyResult, get_verifier
+
+log = logging.getLogger(__name__)
 
 CACHE_MODES = ("off", "job", "global")
 _GLOBAL_MAX = 200_000
@@ -47,9 +52,11 @@ def cache_key(name: str, options: dict, fast: bool, text: str, row: dict, fields
 
 class VerifyExecutor:
     def __init__(self, name: str, options: dict | None, *, fast: bool = False, cache: str = "job",
-                 concurrency: int = 32, pooled: Callable | None = None):
+                 concurrency: int = 32, pooled: Callable | None = None, shared_url: str | None = None,
+                 shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 60.0):
         self.verifier = get_verifier(name)  # ValueError for an unknown name
         self.name = name
+        self.cache_name = f"{name}@{self.verifier.fingerprint()}"  # changed verifier code: other keys
         self.options = self.verifier.validate_options(options or {})
         self.fast = fast
         self.kind = self.verifier.effective_kind
@@ -69,6 +76,12 @@ class VerifyExecutor:
         self.sem = asyncio.Semaphore(self.concurrency) if self.kind in ("io", "remote") else None
         self.cache: dict[str, asyncio.Future] = {}
         self.hits = self.lookups = 0
+        self.shared = None
+        if cache != "off" and shared_url and shared_scope:
+            from .shared_cache import SharedVerifyCache
+
+            self.shared = SharedVerifyCache(shared_url, shared_scope, ttl_s=shared_ttl_s, claim_ttl_s=shared_claim_s)
+        self.shared_error = ""
         self.waiting = self.running = 0  # for the diagnosis: the verification queue and busy slots
 
     @property
@@ -76,16 +89,37 @@ class VerifyExecutor:
         return self.kind == "cpu"
 
     def stats(self) -> dict:
-        return {"verify_kind": self.kind, "verify_queue": self.waiting, "verify_busy": self.running,
-                "verify_slots": self.concurrency if self.kind in ("io", "remote") else None,
-                "verify_cache_hits": self.hits, "verify_cache_lookups": self.lookups}
+        out = {"verify_kind": self.kind, "verify_queue": self.waiting, "verify_busy": self.running,
+               "verify_slots": self.concurrency if self.kind in ("io", "remote") else None,
+               "verify_cache_hits": self.hits, "verify_cache_lookups": self.lookups}
+        if self.cache_mode != "off":
+            out["verify_cache_shared"] = self.shared is not None
+            if self.shared is not None:
+                out.update(verify_cache_shared_hits=self.shared.shared_hits, verify_cache_computed=self.shared.computed)
+            if self.shared_error:
+                out["verify_cache_error"] = self.shared_error
+        return out
+
+    def key(self, row: dict, text: str) -> str:
+        return cache_key(self.cache_name, self.options, self.fast, text, row, self.fields)
+
+    def shared_failed(self, exc: BaseException) -> None:
+        """Redis failed: this run goes on with its local cache (verification never fails because of the cache)."""
+        self.shared_error = f"{type(exc).__name__}: {exc}"[:300]
+        log.warning("shared verification cache unavailable (%s); using the local cache for this run", self.shared_error)
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            asyncio.ensure_future(shared.aclose())
 
     async def verify(self, row: dict, text: str) -> VerifyResult:
         if self.cache_mode == "off":
             return await self._compute(row, text)
-        key = cache_key(self.name, self.options, self.fast, text, row, self.fields)
         self.lookups += 1
-        if self.cache_mode == "global":
+        return await self.resolve(self.key(row, text), row, text)
+
+    async def resolve(self, key: str, row: dict, text: str) -> VerifyResult:
+        """The result for `key` (already counted as a lookup): local, then shared cache, else computed once."""
+        if self.cache_mode == "global" and self.shared is None:
             with _global_lock:
                 hit = _global.get(key)
                 if hit is not None:
@@ -100,7 +134,29 @@ class VerifyExecutor:
         fut = asyncio.get_running_loop().create_future()
         self.cache[key] = fut
         try:
-            result = await self._compute(row, text)
+            result, claimed = None, False
+            if self.shared is not None:
+                try:
+                    result, claimed = await self.shared.get_or_claim(key)
+                except Exception as exc:  # noqa: BLE001
+                    self.shared_failed(exc)
+            if result is not None:
+                self.hits += 1
+            else:
+                try:
+                    result = await self._compute(row, text)
+                except BaseException:
+                    if claimed and self.shared is not None:
+                        try:
+                            await self.shared.release(key)
+                        except Exception as exc:  # noqa: BLE001
+                            self.shared_failed(exc)
+                    raise
+                if claimed and self.shared is not None:
+                    try:
+                        await self.shared.put(key, result)
+                    except Exception as exc:  # noqa: BLE001
+                        self.shared_failed(exc)
         except BaseException as exc:
             self.cache.pop(key, None)  # errors (a judge timeout) are not remembered
             if not fut.done():
@@ -108,7 +164,7 @@ class VerifyExecutor:
                 fut.exception()  # mark retrieved
             raise
         fut.set_result(result)
-        if self.cache_mode == "global":
+        if self.cache_mode == "global" and self.shared is None:
             with _global_lock:
                 _global[key] = result
                 while len(_global) > _GLOBAL_MAX:
@@ -143,6 +199,8 @@ class VerifyExecutor:
             self.sem.release()
 
     async def aclose(self) -> None:
+        if self.shared is not None:
+            await self.shared.aclose()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.verifier, "aclose", None)

@@ -32,14 +32,18 @@ class FunctionVerifier(Verifier):
     """Wraps a function `(row, response_text, options) -> float | VerifyResult | (reward, fields)`."""
 
     def __init__(self, fn: Callable, name: str, *, required_fields=(), options=None, kind="cpu", fast=None,
-                 description=""):
+                 description="", version=""):
         self.fn = fn
+        self.version = version
         self.fast_fn = fast
         self.name = name
         self.required_fields = tuple(required_fields)
         self.options = dict(options or {})
         self.kind = kind
         self.description = description or (fn.__doc__ or "").strip().split("\n")[0]
+
+    def _source_of(self):
+        return self.fn
 
     @staticmethod
     def _result(value) -> VerifyResult:
@@ -72,14 +76,15 @@ class FunctionVerifier(Verifier):
 
 
 def verifier(fn: Callable | None = None, *, required_fields: Iterable[str] = ("expected_answer",),
-             options: dict | None = None, kind: str = "cpu", fast: Callable | None = None):
-    """Mark a function as a verifier usable by dotted path or entry point."""
+             options: dict | None = None, kind: str = "cpu", fast: Callable | None = None, version: str = ""):
+    """Mark a function as a verifier usable by dotted path or entry point. `version`: bump it when results
+    change without a code change (cached results are keyed by it and by a hash of the function's module)."""
     if kind not in ("cpu", "io", "remote"):
         raise ValueError(f"kind must be cpu, io or remote, not {kind!r}")
 
     def mark(f):
         f.__verifier__ = {"required_fields": tuple(required_fields), "options": dict(options or {}), "kind": kind,
-                          "fast": fast}
+                          "fast": fast, "version": str(version)}
         return f
 
     return mark(fn) if fn is not None else mark
@@ -156,7 +161,7 @@ def known_names() -> list[str]:
     return sorted(names)
 
 
-def _has_field(row: dict, path: str) -> bool:
+def has_field(row: dict, path: str) -> bool:
     obj: Any = row
     for part in path.split("."):
         if not isinstance(obj, dict) or part not in obj or obj[part] is None:
@@ -173,7 +178,7 @@ def missing_fields(required: Iterable[str], rows: Iterable[tuple[int, dict]], li
     if not required:
         return 0, []
     for line, row in rows:
-        missing = [f for f in required if not _has_field(row, f)]
+        missing = [f for f in required if not has_field(row, f)]
         if missing:
             count += 1
             if len(report) < limit:
@@ -185,3 +190,68 @@ def describe_missing(name: str, count: int, report: list[dict]) -> str:
     shown = "; ".join(f"line {r['line']}: {', '.join(r['missing'])}" for r in report[:20])
     more = f" (and {count - 20} more)" if count > 20 else ""
     return f"{count} row(s) lack fields verifier {name!r} needs: {shown}{more}"
+
+
+FIT_LINES_KEPT = 20  # line numbers kept per verifier in an upload's fit report (the count is always exact)
+
+
+def fit_candidates(extra: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
+    """{verifier name: required row fields} for every verifier a dataset could be checked against: the
+    registered ones, installed entry points (a plugin that fails to load is left out) and `extra` names."""
+    out: dict[str, tuple[str, ...]] = {}
+    extra = [name for name in extra if name]
+    # dotted paths resolved earlier in this process are one job's choice, not part of every dataset's list
+    names = [n for n in known_names() if "." not in n and ":" not in n]
+    for name in [*names, *extra]:
+        if name == "none" or name in out:
+            continue
+        try:
+            out[name] = tuple(resolve(name).required())
+        except ValueError:
+            continue
+    return out
+
+
+class FieldFit:
+    """Which verifiers a dataset's rows can serve, computed while the rows stream past (constant memory):
+    per verifier, how many rows lack a field it reads, which fields, and the first line numbers."""
+
+    def __init__(self, required: dict[str, tuple[str, ...]], keep: int = FIT_LINES_KEPT):
+        self.required = {name: tuple(fields) for name, fields in required.items()}
+        self.keep = keep
+        self.lacking = {name: 0 for name in self.required}
+        self.lines: dict[str, list[int]] = {name: [] for name in self.required}
+        self.fields: dict[str, dict[str, int]] = {name: {} for name in self.required}
+        self._all_fields = sorted({f for fields in self.required.values() for f in fields})
+
+    def add(self, line: int, row: dict) -> None:
+        present = {f: has_field(row, f) for f in self._all_fields}
+        for name, fields in self.required.items():
+            missing = [f for f in fields if not present[f]]
+            if missing:
+                self.lacking[name] += 1
+                if len(self.lines[name]) < self.keep:
+                    self.lines[name].append(line)
+                for f in missing:
+                    self.fields[name][f] = self.fields[name].get(f, 0) + 1
+
+    def result(self) -> dict[str, dict]:
+        """{name: {"required", "fits", "lacking_rows", "lines" (the first ones), "missing" {field: rows}}}"""
+        return {name: {"required": list(fields), "fits": self.lacking[name] == 0,
+                       "lacking_rows": self.lacking[name], "lines": self.lines[name], "missing": self.fields[name]}
+                for name, fields in sorted(self.required.items())}
+
+
+def describe_fit(fit: dict[str, dict]) -> str:
+    """One line for people: "fits verifiers: exact, math; code needs verifier_metadata.unit_tests (missing in
+    lines 3, 17, … — 40 rows)"."""
+    fits = [name for name, f in fit.items() if f["fits"]]
+    parts = [f"fits verifiers: {', '.join(fits) if fits else 'none'}"]
+    for name, f in fit.items():
+        if f["fits"]:
+            continue
+        shown = ", ".join(str(n) for n in f["lines"])
+        more = ", …" if f["lacking_rows"] > len(f["lines"]) else ""
+        parts.append(f"{name} needs {', '.join(f['missing'])} (missing in line{'s' if f['lacking_rows'] > 1 else ''} "
+                     f"{shown}{more}; {f['lacking_rows']} row{'s' if f['lacking_rows'] > 1 else ''})")
+    return "; ".join(parts)

@@ -1,0 +1,137 @@
+"""The verification cache every worker of a job shares: Redis, keyed by (scope, verifier@fingerprint, options,
+fast, response text, the row fields the verifier reads), with a TTL.
+
+A per-process cache only saves work inside one chunk run; repeats of a task in another chunk, on another
+worker or host, or in a later verification run of the same job computed it again. Here:
+
+* `scope` is "job:<id>:<created>" (per job; `verify_cache=job`) or "global" (across jobs). A later batch
+  verification run of the same job with the same verifier, version and options finds the collection's and
+  earlier runs' results.
+* The verifier's fingerprint (its declared `version` and a hash of its source) is in the key, so changed
+  verifier code never serves an old result.
+* Identical work in flight on two workers at once is computed once: the first takes a claim
+  (`SET NX PX claim_ttl`), the others poll for its result; a claim whose holder died expires and the
+  next waiter takes it over (bounded wait; never a deadlock).
+* Every Redis call has a socket timeout; when Redis fails the executor falls back to its local cache for
+  the rest of the run (verification never fails because the cache did).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from .base import VerifyResult
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "rcp:vcache:"
+POLL_S = 0.02
+
+
+def encode(result: VerifyResult) -> str:
+    return json.dumps({"r": result.reward, "f": result.fields or {}}, default=str, ensure_ascii=False)
+
+
+def decode(raw) -> VerifyResult:
+    obj = json.loads(raw)
+    return VerifyResult(reward=float(obj["r"]), fields=dict(obj.get("f") or {}))
+
+
+class SharedVerifyCache:
+    def __init__(self, url: str, scope: str, *, ttl_s: int = 7 * 24 * 3600, claim_ttl_s: float = 60.0,
+                 timeout_s: float = 5.0):
+        import redis.asyncio as aioredis  # the engine stays importable without Redis
+
+        self.url, self.scope = url, scope
+        self.ttl_s = max(1, int(ttl_s))
+        self.claim_ms = max(1000, int(claim_ttl_s * 1000))
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.computed = self.shared_hits = self.waited = 0
+
+    def _key(self, key: str) -> str:
+        return f"{KEY_PREFIX}{self.scope}:{key}"
+
+    def _claim(self, key: str) -> str:
+        return f"{KEY_PREFIX}{self.scope}:{key}:claim"
+
+    async def get_or_claim(self, key: str) -> tuple[VerifyResult | None, bool]:
+        """(result, False) when stored or computed meanwhile by another worker; (None, True) when this caller
+        holds the claim and must compute and `put`; (None, False) when a claim holder never delivered within
+        the claim TTL (compute without storing)."""
+        deadline = time.monotonic() + self.claim_ms / 1000 + 1.0
+        waited = False
+        while True:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(self._key(key))
+                pipe.set(self._claim(key), b"1", nx=True, px=self.claim_ms)
+                raw, claimed = await pipe.execute()
+            if raw is not None:
+                if claimed:  # stored between our GET and SET: give the claim back at once
+                    await self.redis.delete(self._claim(key))
+                self.shared_hits += 1
+                self.waited += waited
+                return decode(raw), False
+            if claimed:
+                return None, True
+            if time.monotonic() > deadline:
+                return None, False
+            waited = True
+            await asyncio.sleep(POLL_S)
+
+    async def put(self, key: str, result: VerifyResult) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._key(key), encode(result), ex=self.ttl_s)
+            pipe.delete(self._claim(key))
+            await pipe.execute()
+        self.computed += 1
+
+    async def release(self, key: str) -> None:
+        """The computation failed (errors are not cached): let a waiter take over now, not at claim expiry."""
+        await self.redis.delete(self._claim(key))
+
+    # --- batches (the verification run sends whole batches to its process pool) ----------------------
+    async def get_or_claim_many(self, keys: list[str]) -> tuple[dict[str, VerifyResult], set[str], set[str]]:
+        """(found, claimed by us, claimed by another worker) for distinct keys, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.get(self._key(k))
+                pipe.set(self._claim(k), b"1", nx=True, px=self.claim_ms)
+            out = await pipe.execute()
+        found, mine, busy, give_back = {}, set(), set(), []
+        for i, k in enumerate(keys):
+            raw, claimed = out[2 * i], out[2 * i + 1]
+            if raw is not None:
+                found[k] = decode(raw)
+                if claimed:
+                    give_back.append(self._claim(k))
+            elif claimed:
+                mine.add(k)
+            else:
+                busy.add(k)
+        if give_back:
+            await self.redis.delete(*give_back)
+        self.shared_hits += len(found)
+        return found, mine, busy
+
+    async def put_many(self, results: dict[str, VerifyResult]) -> None:
+        if not results:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for k, r in results.items():
+                pipe.set(self._key(k), encode(r), ex=self.ttl_s)
+                pipe.delete(self._claim(k))
+            await pipe.execute()
+        self.computed += len(results)
+
+    async def release_many(self, keys) -> None:
+        keys = [self._claim(k) for k in keys]
+        if keys:
+            await self.redis.delete(*keys)
+
+    async def aclose(self) -> None:
+        try:
+            await self.redis.aclose()
+        except Exception:  # noqa: BLE001
+            pass
