@@ -5,6 +5,7 @@ Laptop defaults: a SQLite file under var/, Redis on localhost. Production: set D
 """
 import os
 from pathlib import Path
+from datetime import timedelta
 
 import environ
 
@@ -34,7 +35,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",  # API tokens stored hashed, with an expiry (controlplane.api.auth)
     "drf_spectacular",
     "drf_spectacular_sidecar",  # the API docs' scripts, served from here (no CDN)
     "axes",  # failed-login lockout
@@ -227,7 +228,7 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
+        "controlplane.api.authentication.ExpiringTokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     # JSON with a bound on nesting (a 400, not a RecursionError).
@@ -243,6 +244,13 @@ REST_FRAMEWORK = {
         "user": env("API_THROTTLE_USER_RATE", default="1200/min"),
         "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
     },
+}
+# API tokens (django-rest-knox): hashed in the database, valid for API_TOKEN_TTL_DAYS from login, revocable
+# (DELETE /api/auth/token/, or the admin). Sent as `Authorization: Token <token>` as before.
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(days=env.float("API_TOKEN_TTL_DAYS", default=30.0)),
+    "AUTO_REFRESH": False,
+    "AUTH_HEADER_PREFIX": "Token",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Rollout control plane API",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
+
+from controlplane.api.authentication import ExpiringTokenAuthentication
 
 from . import serializers as s
 from .exceptions import api_exception_handler
@@ -31,7 +33,7 @@ READ_ERRORS = (401, 404, 429)
 
 class ApiMixin:
     # Token first, so an anonymous request gets 401 with `WWW-Authenticate: Token`.
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [ExpiringTokenAuthentication, SessionAuthentication]
     lookup_value_regex = ID_REGEX
 
     def get_exception_handler(self):

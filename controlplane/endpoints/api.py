@@ -16,7 +16,9 @@ from __future__ import annotations
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
+
+from controlplane.api.authentication import ExpiringTokenAuthentication
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
@@ -33,7 +35,7 @@ ERRORS = {401: OpenApiResponse(description="Not authenticated"),
 
 
 class _Base(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [ExpiringTokenAuthentication, SessionAuthentication]
     parser_classes = [JSONParser]
 
     def endpoint(self, request, endpoint_id):
@@ -173,7 +175,7 @@ class OperationStatsView(_Base):
 
 
 class JobWeightVersionsView(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [ExpiringTokenAuthentication, SessionAuthentication]
 
     @extend_schema(summary="A job's rollouts per weight version, and their version lag (staleness)",
                    responses={200: OpenApiTypes.OBJECT, **ERRORS})

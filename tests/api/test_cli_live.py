@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_math.jsonl"
@@ -65,7 +65,7 @@ class Proc:
 def stack(transactional_db, tmp_path, django_user_model):
     """Web server + Celery worker on the test database; yields (url, token)."""
     user = django_user_model.objects.create_user(username="ci", password="pw")
-    token = Token.objects.create(user=user).key
+    token = api_token(user)
     queue = f"api-cli-{uuid.uuid4().hex[:10]}"
     env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue,
            "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONUNBUFFERED": "1"}

@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db.models import Count
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints import admin_ops
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def api(user):
     c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    c.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
     return c
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 from django.db.models import Count
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints.models import AdminOperation, Endpoint, WeightVersion
@@ -80,7 +80,7 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
     while Rollout.objects.filter(job=job).count() < 60 and time.monotonic() < deadline:
         time.sleep(0.05)
     api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    api.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
     r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": str(new_weights), "checkpoint_id": "step-1"},
                  format="json")
     assert r.status_code == 200, r.content
