@@ -263,10 +263,14 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # Every free-text string's schema says DRF refuses NUL characters (and lone surrogates).
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
-                             "controlplane.api.schema_hooks.strings_refuse_nul"],
+                             "controlplane.api.schema_hooks.strings_refuse_nul",
+                             "controlplane.api.schema_hooks.at_least_one_of"],
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
                             "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
-                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES"},
+                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES",
+                            "AdminOperationKindEnum": "controlplane.endpoints.models.AdminOperation.Kind",
+                            "AdminActionStateEnum": "controlplane.endpoints.models.AdminAction.State",
+                            "StateEnum": "controlplane.jobs.models.JobState"},
 }
 
 LOGGING = {

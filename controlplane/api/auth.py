@@ -12,6 +12,7 @@ from knox.settings import knox_settings
 from rest_framework import serializers, status
 from rest_framework.authtoken.serializers import AuthTokenSerializer
 from rest_framework.exceptions import NotAuthenticated
+from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -35,6 +36,13 @@ def issue_token(user) -> tuple[str, object]:
     return token, instance.expiry
 
 
+class LoginSerializer(AuthTokenSerializer):
+    # bounded as the user model bounds them (a longer name would reach the failed-login log and fail there)
+    username = serializers.CharField(max_length=150, label="Username", write_only=True)
+    password = serializers.CharField(max_length=4096, label="Password", style={"input_type": "password"},
+                                     trim_whitespace=False, write_only=True)
+
+
 class TokenSerializer(serializers.Serializer):
     token = serializers.CharField(help_text="send as `Authorization: Token <token>`; shown once, stored hashed")
     expiry = serializers.DateTimeField(allow_null=True, help_text="when the token stops working")
@@ -43,19 +51,19 @@ class TokenSerializer(serializers.Serializer):
 class ObtainTokenView(APIView):
     # POST (login) needs no credentials; DELETE (logout) needs the token it revokes.
     authentication_classes = [ExpiringTokenAuthentication]
-    permission_classes = []
+    permission_classes = [AllowAny]
     throttle_classes = [AnonRateThrottle]
-    serializer_class = AuthTokenSerializer
+    serializer_class = LoginSerializer
 
     def get_exception_handler(self):
         return api_exception_handler
 
     @extend_schema(summary="Obtain a new API token for a username and password (it expires; see `expiry`)",
-                   request=AuthTokenSerializer,
+                   request=LoginSerializer,
                    responses={200: TokenSerializer, 400: OpenApiResponse(description="Bad credentials"),
                               429: OpenApiResponse(description="Throttled")})
     def post(self, request, *args, **kwargs):
-        ser = AuthTokenSerializer(data=request.data, context={"request": request})
+        ser = LoginSerializer(data=request.data, context={"request": request})
         ser.is_valid(raise_exception=True)
         token, expiry = issue_token(ser.validated_data["user"])
         return Response({"token": token, "expiry": expiry})
