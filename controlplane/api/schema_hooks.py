@@ -50,4 +50,10 @@ def at_least_one_of(result, generator, request, public):
             branch = {k: v for k, v in whole.items() if k not in ("description", "anyOf")}
             schemas[component] = {"description": whole.get("description", ""), "anyOf": [
                 {**branch, "required": sorted({*branch.get("required", []), f})} for f in fields]}
+            refs = {f"#/components/schemas/{component}"}
+            for path in result.get("paths", {}).values():  # a body is needed to name one of them
+                for op in path.values():
+                    body = op.get("requestBody") if isinstance(op, dict) else None
+                    if body and any(c.get("schema", {}).get("$ref") in refs for c in body.get("content", {}).values()):
+                        body["required"] = True
     return result

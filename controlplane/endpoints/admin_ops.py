@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -220,10 +221,8 @@ def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> Adm
         params = check_operation(endpoint, kind, **raw)
     action = AdminAction.objects.create(endpoint=endpoint, trace_id=new_trace_id(), kind=kind, params=params,
                                         source=source[:20], requested_by=user if getattr(user, "pk", None) else None)
-    from .tasks import run_admin_action_task
-
-    try:
-        run_admin_action_task.delay(action.pk)
+    try:  # by name: the task module imports this one
+        current_app.tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
     except Exception as exc:  # noqa: BLE001 - kombu / redis errors: nothing was sent
         AdminAction.objects.filter(pk=action.pk).update(state=AdminAction.State.FAILED, finished_at=timezone.now(),
                                                         error=f"the task queue is unavailable: {exc}"[:2000])

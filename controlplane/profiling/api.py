@@ -56,14 +56,17 @@ def _job(request, job_id):
     return job
 
 
-URL_PATTERN = r"^https?://[^\x00\ud800-\udfff]*$"
+# The length bound is in the pattern, not in maxLength: generators build boundary-length strings that ignore
+# the pattern.
+URL_PATTERN = r"^https?://[^\x00\ud800-\udfff]{1,2000}$"
 NO_NUL_PATTERN = r"^[^\x00\ud800-\udfff]*$"
 
 
 class StatsUrlSerializer(StrictJSONTypes, serializers.Serializer):
     """A NeMo Gym server's /stats URL, and optionally its server.log (pulled into the same rows)."""
-    url = serializers.RegexField(URL_PATTERN, max_length=2000, trim_whitespace=False)
-    log = serializers.RegexField(NO_NUL_PATTERN, max_length=1000, required=False, trim_whitespace=False)
+    url = serializers.RegexField(URL_PATTERN, trim_whitespace=False)
+    log = serializers.RegexField(NO_NUL_PATTERN, max_length=1000, required=False, allow_blank=True,
+                                 trim_whitespace=False)
 
 
 class ProfileStartSerializer(StrictJSONTypes, serializers.Serializer):

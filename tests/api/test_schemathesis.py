@@ -28,6 +28,11 @@ MAX_EXAMPLES = 10
 # on the operator's allow-list.
 STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/",
                      "POST /api/endpoints/", "PUT /api/endpoints/{id}/", "PATCH /api/endpoints/{id}/"}
+# schemathesis's coverage phase builds strings inside array items ("stats_urls": [{"url": ...}]) from their
+# lengths alone, ignoring the documented pattern (it sends "" and "000000000" as URLs, which the pattern
+# `^https?://` excludes and the API rightly refuses). A generator limitation, not a schema lag: every other
+# check still runs on this route.
+GENERATOR_IGNORES_NESTED_PATTERN = {"POST /api/jobs/{job_id}/profile/"}
 
 
 @pytest.fixture
@@ -91,7 +96,7 @@ def test_api_conforms_to_schema(case, world):
         world["endpoint"].request_timeout_s, world["endpoint"].max_retries = 0.5, 0
         world["endpoint"].save()
     label = f"{case.method.upper()} {path}"
-    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY else []
+    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY | GENERATOR_IGNORES_NESTED_PATTERN else []
     # A token per case: DELETE /api/auth/token/ revokes the one it is sent with.
     case.call_and_validate(headers={"Authorization": f"Token {api_token(world['alice'])}"},
                            excluded_checks=excluded)
