@@ -24,13 +24,21 @@ def endpoint_detail(request, endpoint_id):
     kind = kind if kind in admin_ops.KINDS else ""
     return render(request, "dashboard/endpoint_detail.html", {
         "ep": ep, "trace": trace, "kind": kind, "kinds": AdminOperation.Kind.choices,
-        "log": list(admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
+        "log": _shown(request.user, admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
         "stats": admin_ops.timing_stats(ep), "alerts": list(admin_ops.queue_alerts(ep, limit=10)),
         "threshold": admin_ops.queue_alert_ms(),
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
         "current_version": admin_ops.current_version(ep),
-        "actions": [(a, admin_ops.action_summary(a)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
+        "actions": [(a, admin_ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
     })
+
+
+def _shown(user, operations) -> list:
+    """The log rows with each error as this user may read it (status codes only unless staff)."""
+    rows = list(operations)
+    for o in rows:
+        o.error = admin_ops.error_for(user, o.error)
+    return rows
 
 
 def _int(v):
@@ -62,7 +70,8 @@ def endpoint_admin_action(request, endpoint_id, kind):
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
     if action.state in AdminAction.FINISHED:  # eager tasks: already done
         ok = action.state == AdminAction.State.SUCCEEDED
-        (messages.success if ok else messages.error)(request, f"{admin_ops.action_summary(action)} (trace {action.trace_id})")
+        (messages.success if ok else messages.error)(request, f"{admin_ops.action_summary(action, request.user)} "
+                                                              f"(trace {action.trace_id})")
     else:
         messages.info(request, f"{kind} queued (trace {action.trace_id}); its outcome shows under Actions")
     return redirect(reverse("dashboard:endpoint", args=[ep.pk]) + "?trace=" + action.trace_id)

@@ -9,6 +9,7 @@ replica that does not answer is reported as `no_answer`), and never raise on net
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from celery import current_app
@@ -271,9 +272,10 @@ def execute(action_id: int) -> str | None:
     return state
 
 
-def action_summary(action: AdminAction) -> str:
-    """One line for people (the dashboard, the command): what happened, and where it failed."""
-    out = action.result or {}
+def action_summary(action: AdminAction, user=None) -> str:
+    """One line for people (the dashboard, the command): what happened, and where it failed (errors as
+    `user` may read them, when given)."""
+    out = (result_for(user, action.result) if user else action.result) or {}
     if action.state == AdminAction.State.QUEUED:
         return f"{action.kind}: queued"
     if action.state == AdminAction.State.RUNNING:
@@ -336,8 +338,31 @@ def queue_alerts(endpoint, *, limit: int = 20):
     return AdminOperation.objects.filter(endpoint=endpoint, queue_ms__gt=queue_alert_ms())[:limit]
 
 
-def operation_dict(op: AdminOperation) -> dict:
+_STATUS_THEN_BODY = re.compile(r"^(HTTP [0-9]{3})\b")
+
+
+def error_for(user, text: str) -> str:
+    """What `user` may read of a replica's error: staff see it all (at most 300 characters of the server's
+    own message, secrets redacted); anyone else the HTTP status only, never the server's body (issue 12:
+    a user-registered URL must not become a way to read other servers' pages). Our own messages (no answer
+    within N s, connection refused) are shown to everyone."""
+    if not text or getattr(user, "is_staff", False):
+        return text
+    m = _STATUS_THEN_BODY.match(text)
+    return m.group(1) if m else text
+
+
+def result_for(user, result: dict | None) -> dict | None:
+    """An action's report with each request's error as `user` may read it."""
+    if not result or getattr(user, "is_staff", False):
+        return result
+    return {**result, "operations": [{**o, "error": error_for(user, o.get("error", ""))}
+                                     for o in result.get("operations", [])]}
+
+
+def operation_dict(op: AdminOperation, user=None) -> dict:
     return {"id": op.pk, "endpoint": op.endpoint_id, "trace_id": op.trace_id, "kind": op.kind, "replica": op.replica,
-            "status": op.status, "http_status": op.http_status, "error": op.error, "wall_ms": op.wall_ms,
+            "status": op.status, "http_status": op.http_status, "error": error_for(user, op.error) if user else op.error,
+            "wall_ms": op.wall_ms,
             "rpc_ms": op.rpc_ms, "queue_ms": op.queue_ms, "connect_ms": op.connect_ms, "rpc_source": op.rpc_source,
             "attempts": op.attempts, "params": op.params, "source": op.source, "created_at": op.created_at.isoformat()}

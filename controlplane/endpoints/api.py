@@ -73,12 +73,16 @@ class AdminActionSerializer(serializers.ModelSerializer):
     def get_params(self, action):
         return action.params
 
+    def _user(self):
+        request = self.context.get("request")
+        return getattr(request, "user", None)
+
     @extend_schema_field({**OBJECT, "nullable": True})
     def get_result(self, action):
-        return action.result
+        return admin_ops.result_for(self._user(), action.result)
 
     def get_summary(self, action) -> str:
-        return admin_ops.action_summary(action)
+        return admin_ops.action_summary(action, self._user())
 
 
 def _accepted(request, action) -> Response:
@@ -203,7 +207,7 @@ class OperationLogView(_Base):
         ep = self.endpoint(request, id)
         q = query_params(OperationLogQuerySerializer, request)
         rows = admin_ops.operations(ep, trace_id=q.get("trace_id", ""), kind=q.get("kind", ""), limit=q["limit"])
-        return Response({"endpoint": ep.pk, "operations": [admin_ops.operation_dict(o) for o in rows]})
+        return Response({"endpoint": ep.pk, "operations": [admin_ops.operation_dict(o, request.user) for o in rows]})
 
 
 class OperationStatsView(_Base):
@@ -214,7 +218,7 @@ class OperationStatsView(_Base):
         return Response({"endpoint": ep.pk, "queue_alert_ms": admin_ops.queue_alert_ms(),
                          "current_weight_version": admin_ops.current_version(ep),
                          "stats": admin_ops.timing_stats(ep),
-                         "alerts": [admin_ops.operation_dict(o) for o in admin_ops.queue_alerts(ep)]})
+                         "alerts": [admin_ops.operation_dict(o, request.user) for o in admin_ops.queue_alerts(ep)]})
 
 
 class JobWeightVersionsView(ApiMixin, APIView):

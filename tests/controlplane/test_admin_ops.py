@@ -107,6 +107,15 @@ def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator
     assert [(o["kind"], o["status"]) for o in out["operations"]] == [
         ("pause", "ok"), ("update_weights", "failed"), ("resume", "ok")]
     assert out["operations"][1]["attempts"] == 2 and out["operations"][1]["http_status"] == 503
+    # the owner (not staff) reads the status code only, never the server's body; staff read the message
+    stored = AdminOperation.objects.get(kind="update_weights", trace_id=out["trace_id"]).error
+    assert out["operations"][1]["error"] == "HTTP 503" and stored.startswith("HTTP 503: ") and len(stored) > 10
+    log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"kind": "update_weights"}).json()["operations"]
+    assert [o["error"] for o in log] == ["HTTP 503"]
+    staff = APIClient()
+    staff.force_authenticate(user=type(user).objects.create_user("root", password="x", is_staff=True))
+    action = staff.get(f"/api/endpoints/{ep.pk}/admin/actions/{AdminAction.objects.get().pk}/").json()
+    assert action["result"]["operations"][1]["error"] == stored
     assert sim.get_json("/is_paused")["is_paused"] is False
     assert not WeightVersion.objects.exists() and out["version"] == ""
     assert AdminOperation.objects.filter(kind="resume", status="ok", trace_id=out["trace_id"]).count() == 1
