@@ -126,7 +126,7 @@ def main(argv=None):
     old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
     try:
         from django.contrib.auth import get_user_model
-        from rest_framework.authtoken.models import Token
+        from controlplane.api.auth import issue_token
 
         from controlplane.datasets.models import Dataset
         from controlplane.endpoints.models import Endpoint
@@ -134,7 +134,7 @@ def main(argv=None):
 
         settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": None, "anon": None}}
         user = get_user_model().objects.create_user("bench", password="x")
-        token = Token.objects.create(user=user).key
+        token = issue_token(user)[0]
         ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=max(sizes))
         ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
         client = Client()

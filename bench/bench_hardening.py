@@ -198,14 +198,14 @@ def main(argv=None):
     try:
         subprocess.run(f"git archive {args.before_rev} | tar -x -C {before_dir}", shell=True, check=True, cwd=ROOT)
         from django.contrib.auth import get_user_model
-        from rest_framework.authtoken.models import Token
+        from controlplane.api.auth import issue_token
 
         from controlplane.datasets.models import Dataset
         from controlplane.endpoints.models import Endpoint
         from controlplane.jobs.models import CollectionJob
 
         user = get_user_model().objects.create_user("bench", password="x")
-        token = Token.objects.create(user=user).key
+        token = issue_token(user)[0]
         ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=args.rows)
         ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
         job = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="completed",

@@ -5,6 +5,7 @@ Laptop defaults: a SQLite file under var/, Redis on localhost. Production: set D
 """
 import os
 from pathlib import Path
+from datetime import timedelta
 
 import environ
 
@@ -34,7 +35,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",  # API tokens stored hashed, with an expiry (controlplane.api.auth)
     "drf_spectacular",
     "drf_spectacular_sidecar",  # the API docs' scripts, served from here (no CDN)
     "axes",  # failed-login lockout
@@ -258,7 +259,7 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
+        "controlplane.api.authentication.ExpiringTokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     # JSON with a bound on nesting (a 400, not a RecursionError).
@@ -275,6 +276,13 @@ REST_FRAMEWORK = {
         "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
     },
 }
+# API tokens (django-rest-knox): hashed in the database, valid for API_TOKEN_TTL_DAYS from login, revocable
+# (DELETE /api/auth/token/, or the admin). Sent as `Authorization: Token <token>` as before.
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(days=env.float("API_TOKEN_TTL_DAYS", default=30.0)),
+    "AUTO_REFRESH": False,
+    "AUTH_HEADER_PREFIX": "Token",
+}
 SPECTACULAR_SETTINGS = {
     "TITLE": "Rollout control plane API",
     "DESCRIPTION": "Datasets, model endpoints and rollout collection jobs.",
@@ -286,10 +294,14 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # Every free-text string's schema says DRF refuses NUL characters (and lone surrogates).
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
-                             "controlplane.api.schema_hooks.strings_refuse_nul"],
+                             "controlplane.api.schema_hooks.strings_refuse_nul",
+                             "controlplane.api.schema_hooks.at_least_one_of"],
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
                             "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
-                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES"},
+                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES",
+                            "AdminOperationKindEnum": "controlplane.endpoints.models.AdminOperation.Kind",
+                            "AdminActionStateEnum": "controlplane.endpoints.models.AdminAction.State",
+                            "StateEnum": "controlplane.jobs.models.JobState"},
 }
 
 LOGGING = {

@@ -6,14 +6,18 @@
     rolloutctl admin-stats ENDPOINT_ID            p50/p95/p99 of queue/rpc/wall per operation kind
     rolloutctl weight-versions JOB_ID             rollouts per weight version and their lag
 
-An operation that failed on a replica exits 5 (the report, with its trace id, is printed as JSON).
+Operations run in a worker: the API answers 202 with the action's URL, which is polled (every
+--poll-interval seconds, for at most --wait seconds) until the action has finished; its report, with its
+trace id, is printed as JSON. An operation that failed on a replica exits 5; one still unfinished after
+--wait exits 4 (it keeps running; `rolloutctl` prints its URL).
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 
-from . import EXIT_API, EXIT_OK
+from . import EXIT_API, EXIT_OK, EXIT_TIMEOUT
 
 COMMANDS = ("endpoint-op", "update-weights", "admin-stats", "weight-versions")
 OPS = ("health", "prewarm", "reset_prefix_cache", "pause", "resume", "sleep", "wake_up")
@@ -27,6 +31,7 @@ def add_parsers(sub, add_connection) -> None:
     p.add_argument("--mode", choices=["keep", "wait", "abort"], help="pause mode (default keep)")
     p.add_argument("--level", type=int, choices=[1, 2], help="sleep level (default 1)")
     p.add_argument("--count", type=int, help="pre-warm: how many tiny requests")
+    _add_wait(p)
 
     p = sub.add_parser("update-weights", help="pause(keep) -> update -> resume on every replica of an endpoint")
     add_connection(p)
@@ -35,6 +40,7 @@ def add_parsers(sub, add_connection) -> None:
     p.add_argument("--checkpoint-id", default="")
     p.add_argument("--weight-version", dest="weight_version", type=int, help="version to tag rollouts with (default last + 1)")
     p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep")
+    _add_wait(p)
 
     p = sub.add_parser("admin-stats", help="timings of an endpoint's admin operations (p50/p95/p99)")
     add_connection(p)
@@ -45,6 +51,36 @@ def add_parsers(sub, add_connection) -> None:
     p.add_argument("job", type=int)
 
 
+def _add_wait(p) -> None:
+    p.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the action to finish (default 900)")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
+
+
+FINISHED = ("succeeded", "failed")
+
+
+def wait_for_action(client, action: dict, *, wait_s: float, poll_s: float) -> dict:
+    """Poll a queued admin action until it has finished or `wait_s` has passed; returns its latest state."""
+    deadline = time.monotonic() + wait_s
+    while action.get("state") not in FINISHED and time.monotonic() < deadline:
+        time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
+        action = client.get_json(action["url"])
+    return action
+
+
+def _finish(client, args, action: dict) -> int:
+    action = wait_for_action(client, action, wait_s=args.wait, poll_s=args.poll_interval)
+    if action.get("state") not in FINISHED:
+        _print(action)
+        print(f"rolloutctl: the action is still {action.get('state')} after {args.wait:g} s; follow it at "
+              f"{action['url']}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    _print(action["result"] if action.get("result") is not None else action)
+    if action.get("error"):
+        print(f"rolloutctl: {action['error']}", file=sys.stderr)
+    return EXIT_OK if action["state"] == "succeeded" else EXIT_API
+
+
 def _print(obj) -> None:
     print(json.dumps(obj, indent=1), flush=True)
 
@@ -52,20 +88,19 @@ def _print(obj) -> None:
 def run(client, args) -> int:
     if args.command == "endpoint-op":
         body = {k: v for k, v in (("mode", args.mode), ("level", args.level), ("count", args.count)) if v is not None}
-        _, out = client.post_json(f"endpoints/{args.endpoint}/admin/{args.operation}/", body)
-        _print(out)
-        return EXIT_OK if out.get("ok") else EXIT_API
+        resp = client.request("POST", f"endpoints/{args.endpoint}/admin/{args.operation}/", json=body, retry=False,
+                              expect=(202,))
+        return _finish(client, args, resp.json())
     if args.command == "update-weights":
         if not args.path and not args.checkpoint_id:
             print("rolloutctl: update-weights needs --path or --checkpoint-id", file=sys.stderr)
             return 2
-        body = {"path": args.path, "checkpoint_id": args.checkpoint_id, "pause_mode": args.pause_mode}
+        body = {"pause_mode": args.pause_mode, **({"path": args.path} if args.path else {}),
+                **({"checkpoint_id": args.checkpoint_id} if args.checkpoint_id else {})}
         if args.weight_version is not None:
             body["version"] = args.weight_version
-        resp = client.request("POST", f"endpoints/{args.endpoint}/weights/", json=body, retry=False, expect=(200, 502))
-        out = resp.json()
-        _print(out)
-        return EXIT_OK if resp.status_code == 200 else EXIT_API
+        resp = client.request("POST", f"endpoints/{args.endpoint}/weights/", json=body, retry=False, expect=(202,))
+        return _finish(client, args, resp.json())
     if args.command == "admin-stats":
         _print(client.get_json(f"endpoints/{args.endpoint}/admin/stats/"))
         return EXIT_OK

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin, auth
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -478,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json (.jsonl is added "
                         "when the name has no extension)")
     admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
+    auth.add_parsers(sub, _add_connection)  # login, logout
     return parser
 
 
@@ -496,11 +497,13 @@ def main(argv=None) -> int:
     except ValueError as exc:
         log(f"rolloutctl: {exc}")
         return EXIT_USAGE
-    if not args.token:
+    if not args.token and args.command != "login":
         log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
     try:
         if args.command in admin.COMMANDS:
             return admin.run(client, args)
+        if args.command in auth.COMMANDS:
+            return auth.run(client, args)
         if args.command == "submit":
             job = do_submit(client, args)
             print(job["id"], flush=True)

@@ -13,7 +13,6 @@ import random
 
 from django.contrib.auth import get_user_model
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 
 from controlplane.datasets.models import Dataset, DatasetRow
 from controlplane.datasets.services import ingest_jsonl
@@ -67,11 +66,19 @@ def jsonl_bytes(rows) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------- objects
+def api_token(user) -> str:
+    """A new API token for `user` (the plaintext; only its hash is stored)."""
+    from controlplane.api.auth import issue_token
+
+    return issue_token(user)[0]
+
+
 def make_user(username: str, password: str | None = None, *, token: bool = False, **fields):
-    """A user (password `pw-<username>` unless given); with token=True also a DRF token."""
+    """A user (password `pw-<username>` unless given); with token=True also an API token, kept (the database
+    has only its hash) as `user.api_token`."""
     user = get_user_model().objects.create_user(username=username, password=password or f"pw-{username}", **fields)
     if token:
-        Token.objects.create(user=user)
+        user.api_token = api_token(user)
     return user
 
 

@@ -1,6 +1,2 @@
-"""API tokens are credentials: not listed in the admin, where any staff user could read them."""
-from django.contrib import admin
-from rest_framework.authtoken.models import TokenProxy
-
-if admin.site.is_registered(TokenProxy):
-    admin.site.unregister(TokenProxy)
+"""API tokens in the admin: knox's AuthToken admin lists digests, owners and expiries (a staff user can
+revoke a token there but never read one: only its hash is stored)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication
+
+from controlplane.api.authentication import ExpiringTokenAuthentication
 
 from . import serializers as s
 from .exceptions import api_exception_handler
@@ -29,9 +31,22 @@ def errors(*codes):
 READ_ERRORS = (401, 404, 429)
 
 
+def query_params(serializer_cls, request):
+    """Validate query parameters. An empty value (`?since=`) is an error, not "absent"."""
+    from rest_framework.exceptions import ValidationError
+
+    ser = serializer_cls(data=request.query_params)
+    ser.is_valid(raise_exception=True)
+    blank = {name: ["This parameter may not be blank."] for name, field in ser.fields.items()
+             if request.query_params.get(name) == "" and not getattr(field, "allow_blank", False)}
+    if blank:
+        raise ValidationError(blank)
+    return ser.validated_data
+
+
 class ApiMixin:
     # Token first, so an anonymous request gets 401 with `WWW-Authenticate: Token`.
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [ExpiringTokenAuthentication, SessionAuthentication]
     lookup_value_regex = ID_REGEX
 
     def get_exception_handler(self):

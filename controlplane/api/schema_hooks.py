@@ -31,3 +31,29 @@ def strings_refuse_nul(result, generator, request, public):
                 _mark(op.get("parameters", []))
                 _mark(op.get("requestBody", {}))
     return result
+
+
+# Request bodies that need at least one of several optional fields (a rule a serializer states in its
+# validate(); OpenAPI states it with anyOf), by component name.
+AT_LEAST_ONE_OF = {"WeightUpdate": ["path", "checkpoint_id"]}
+
+
+def at_least_one_of(result, generator, request, public):
+    """Each branch of the anyOf is the whole object with one more required field (a bare {"required": [...]}
+    beside "properties" is lost on some generators, which then send the field with no constraint)."""
+    schemas = result.get("components", {}).get("schemas", {})
+    for name, fields in AT_LEAST_ONE_OF.items():
+        for component in (name, f"{name}Request"):
+            if component not in schemas:
+                continue
+            whole = schemas[component]
+            branch = {k: v for k, v in whole.items() if k not in ("description", "anyOf")}
+            schemas[component] = {"description": whole.get("description", ""), "anyOf": [
+                {**branch, "required": sorted({*branch.get("required", []), f})} for f in fields]}
+            refs = {f"#/components/schemas/{component}"}
+            for path in result.get("paths", {}).values():  # a body is needed to name one of them
+                for op in path.values():
+                    body = op.get("requestBody") if isinstance(op, dict) else None
+                    if body and any(c.get("schema", {}).get("$ref") in refs for c in body.get("content", {}).values()):
+                        body["required"] = True
+    return result

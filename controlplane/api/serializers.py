@@ -205,7 +205,7 @@ class EndpointQueuedSerializer(serializers.Serializer):
     last_prewarm = serializers.JSONField()
 
 
-class EndpointPrewarmRequestSerializer(serializers.Serializer):
+class EndpointPrewarmRequestSerializer(StrictJSONTypes, serializers.Serializer):
     count = serializers.IntegerField(min_value=0, max_value=64, default=4,
                                      help_text="how many tiny requests, spread over the replicas")
 
@@ -307,7 +307,7 @@ class JobDetailSerializer(JobSerializer):
 
     verification = serializers.SerializerMethodField(help_text="The latest batch verification run, if any")
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True})
     def get_verification(self, job):
         from controlplane.jobs.verification import summary
 

@@ -26,7 +26,7 @@ from controlplane.jobs.export import iter_export_lines, streamed_for
 from controlplane.jobs.models import JobMetricSample, Rollout
 
 from . import serializers as s
-from .conventions import READ_ERRORS, ApiMixin, errors
+from .conventions import READ_ERRORS, ApiMixin, errors, query_params
 from .exceptions import Conflict
 from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
 from .parsers import JSONLinesParser, JSONParser, NDJSONParser, NDJSONRenderer
@@ -36,15 +36,7 @@ log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 
 
-def _query(serializer_cls, request):
-    """Validate query parameters. An empty value (`?since=`) is an error, not "absent"."""
-    ser = serializer_cls(data=request.query_params)
-    ser.is_valid(raise_exception=True)
-    blank = {name: ["This parameter may not be blank."] for name, field in ser.fields.items()
-             if request.query_params.get(name) == "" and not getattr(field, "allow_blank", False)}
-    if blank:
-        raise ValidationError(blank)
-    return ser.validated_data
+_query = query_params
 
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -212,7 +204,7 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
                    responses={202: s.EndpointQueuedSerializer, **errors(400, *READ_ERRORS, 503)})
     @action(detail=True, methods=["post"])
     def prewarm(self, request, pk=None):
-        params = s.EndpointPrewarmRequestSerializer(data=request.data if isinstance(request.data, dict) else {})
+        params = s.EndpointPrewarmRequestSerializer(data=request.data)  # a non-object body is a 400
         params.is_valid(raise_exception=True)
         return self._enqueue("prewarm", n=params.validated_data["count"])
 

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import visible_endpoints
 from controlplane.endpoints import admin_ops
-from controlplane.endpoints.models import AdminOperation, WeightVersion
+from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
 
 
 @login_required
@@ -24,12 +24,21 @@ def endpoint_detail(request, endpoint_id):
     kind = kind if kind in admin_ops.KINDS else ""
     return render(request, "dashboard/endpoint_detail.html", {
         "ep": ep, "trace": trace, "kind": kind, "kinds": AdminOperation.Kind.choices,
-        "log": list(admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
+        "log": _shown(request.user, admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
         "stats": admin_ops.timing_stats(ep), "alerts": list(admin_ops.queue_alerts(ep, limit=10)),
         "threshold": admin_ops.queue_alert_ms(),
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
         "current_version": admin_ops.current_version(ep),
+        "actions": [(a, admin_ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
     })
+
+
+def _shown(user, operations) -> list:
+    """The log rows with each error as this user may read it (status codes only unless staff)."""
+    rows = list(operations)
+    for o in rows:
+        o.error = admin_ops.error_for(user, o.error)
+    return rows
 
 
 def _int(v):
@@ -42,26 +51,27 @@ def _int(v):
 @login_required
 @require_POST
 def endpoint_admin_action(request, endpoint_id, kind):
+    """Queue the operation (a worker calls the model servers; the web process never does) and come back to
+    the endpoint page, where the action's state and outcome show under "Actions"."""
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
     p = request.POST
     try:
         if kind == "update_weights":
-            out = admin_ops.update_weights(ep, path=p.get("path", ""), checkpoint_id=p.get("checkpoint_id", ""),
-                                           version=_int(p.get("version")), user=request.user, source="dashboard")
-            ok = out["applied"] and out["ok"]
-            msg = (f"weights updated to version {out['version']}" if ok else
-                   f"weight update failed on {', '.join(out['failed_replicas']) or 'a replica'}"
-                   f"{' (no answer: ' + ', '.join(out['unanswered_replicas']) + ')' if out['unanswered_replicas'] else ''}"
-                   f"{'; resumed' if not out['not_resumed'] else '; NOT resumed: ' + ', '.join(out['not_resumed'])}")
+            raw = {"path": p.get("path", "").strip(), "checkpoint_id": p.get("checkpoint_id", "").strip(),
+                   "version": _int(p.get("version"))}
         else:
-            out = admin_ops.run_operation(ep, kind, mode=p.get("mode") or None, level=_int(p.get("level")),
-                                          count=_int(p.get("count")), user=request.user, source="dashboard")
-            ok = out["ok"]
-            failed = [o for o in out["operations"] if not o["ok"]]
-            detail = "; ".join(f"{o['replica']}: {o['error']}" for o in failed[:3])
-            msg = f"{kind}: ok" if ok else f"{kind}: {len(failed)} of {len(out['operations'])} request(s) failed: {detail}"
+            raw = {"mode": p.get("mode") or None, "level": _int(p.get("level")), "count": _int(p.get("count"))}
+        action = admin_ops.submit(ep, kind, user=request.user, source="dashboard", **raw)
     except admin_ops.AdminOpError as e:
         messages.error(request, str(e))
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
-    (messages.success if ok else messages.error)(request, f"{msg} (trace {out['trace_id']})")
-    return redirect(reverse("dashboard:endpoint", args=[ep.pk]) + "?trace=" + out["trace_id"])
+    except admin_ops.QueueUnavailable as e:
+        messages.error(request, str(e))
+        return redirect("dashboard:endpoint", endpoint_id=ep.pk)
+    if action.state in AdminAction.FINISHED:  # eager tasks: already done
+        ok = action.state == AdminAction.State.SUCCEEDED
+        (messages.success if ok else messages.error)(request, f"{admin_ops.action_summary(action, request.user)} "
+                                                              f"(trace {action.trace_id})")
+    else:
+        messages.info(request, f"{kind} queued (trace {action.trace_id}); its outcome shows under Actions")
+    return redirect(reverse("dashboard:endpoint", args=[ep.pk]) + "?trace=" + action.trace_id)

@@ -9,8 +9,10 @@ replica that does not answer is reported as `no_answer`), and never raise on net
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -20,7 +22,7 @@ from workers.admin.client import OpResult, new_trace_id
 from workers.engine.aggregate import quantile
 
 from . import versions
-from .models import AdminOperation, Endpoint, WeightVersion
+from .models import AdminAction, AdminOperation, Endpoint, WeightVersion
 from .services import normalize_base_url, redact_text
 
 KINDS = [k for k, _ in AdminOperation.Kind.choices]
@@ -75,36 +77,48 @@ def _check_admin_capable(endpoint) -> None:
         raise AdminOpError("this endpoint is a hosted OpenAI-compatible API: it has no admin routes")
 
 
-def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
-                  count: int | None = None, user=None, source: str = "api") -> dict:
-    """health | prewarm (count) | reset_prefix_cache | pause (mode) | resume | sleep (level) | wake_up on
-    every replica. Returns {"trace_id", "kind", "ok", "operations": [...], "unanswered": [urls]}."""
+def check_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
+                    count: int | None = None) -> dict:
+    """Validate an operation before it is queued; returns its params (defaults filled in). Raises
+    AdminOpError (the API answers 400) for what no model server could fix."""
     if kind not in SIMPLE_KINDS:
         raise AdminOpError(f"unknown operation {kind!r}; known: {', '.join(SIMPLE_KINDS)} (and update_weights)")
     if kind != "prewarm" and kind != "health":
         _check_admin_capable(endpoint)
-    urls = _urls(endpoint)
-    trace_id = new_trace_id()
     params: dict[str, Any] = {}
     if kind == "pause":
         mode = mode or "keep"
         if mode not in ops.PAUSE_MODES:
             raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {mode!r}")
         params["mode"] = mode
-        fn = lambda c: ops.pause(c, urls, mode, trace_id=trace_id)  # noqa: E731
     elif kind == "sleep":
         level = 1 if level is None else level
         if level not in (1, 2):
             raise AdminOpError(f"sleep level must be 1 or 2, got {level!r}")
         params["level"] = level
-        fn = lambda c: ops.sleep(c, urls, level, trace_id=trace_id)  # noqa: E731
     elif kind == "prewarm":
-        count = len(urls) * 4 if count is None else count
+        count = len(_urls(endpoint)) * 4 if count is None else count
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_PREWARM:
             raise AdminOpError(f"pre-warm count must be an integer between 0 and {MAX_PREWARM}, got {count!r}")
         params["count"] = count
-        fn = lambda c: ops.prewarm(c, urls, count, model=endpoint.model_name, flavor=endpoint.api_flavor,  # noqa: E731
-                                   trace_id=trace_id)
+    return params
+
+
+def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
+                  count: int | None = None, user=None, source: str = "api", trace_id: str | None = None) -> dict:
+    """health | prewarm (count) | reset_prefix_cache | pause (mode) | resume | sleep (level) | wake_up on
+    every replica, here and now (a worker's or a command's process, never the web's: see `submit`).
+    Returns {"trace_id", "kind", "ok", "operations": [...], "unanswered": [urls]}."""
+    params = check_operation(endpoint, kind, mode=mode, level=level, count=count)
+    urls = _urls(endpoint)
+    trace_id = trace_id or new_trace_id()
+    if kind == "pause":
+        fn = lambda c: ops.pause(c, urls, params["mode"], trace_id=trace_id)  # noqa: E731
+    elif kind == "sleep":
+        fn = lambda c: ops.sleep(c, urls, params["level"], trace_id=trace_id)  # noqa: E731
+    elif kind == "prewarm":
+        fn = lambda c: ops.prewarm(c, urls, params["count"], model=endpoint.model_name,  # noqa: E731
+                                   flavor=endpoint.api_flavor, trace_id=trace_id)
     else:
         fn = lambda c: ops.simple(c, urls, kind, trace_id=trace_id)  # noqa: E731
     results = ops.run(fn, **_client_kw(endpoint))
@@ -130,13 +144,11 @@ def _next_version(endpoint) -> int:
     return max(nums, default=0) + 1
 
 
-def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
-                   pause_mode: str = "keep", server: str | None = None, user=None, source: str = "api") -> dict:
-    """pause(keep) -> update -> resume on every replica (resume always sent). When every replica took the
-    new weights, records the new `WeightVersion` (given, or the last + 1). Returns the report with the
-    version, failed / unanswered / not-resumed replicas and every request's timings."""
+def check_update(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
+                 pause_mode: str = "keep", server: str | None = None) -> dict:
+    """Validate a weight update before it is queued; returns its params. Raises AdminOpError."""
     _check_admin_capable(endpoint)
-    path, checkpoint_id = (path or "").strip(), (checkpoint_id or "").strip()
+    path, checkpoint_id = path or "", checkpoint_id or ""  # as given: the model server judges them
     if not path and not checkpoint_id:
         raise AdminOpError("give the new weights: a path or a checkpoint id")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
@@ -145,10 +157,25 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
         raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {pause_mode!r}")
     if server is not None and server not in ops.SERVER_KINDS:
         raise AdminOpError(f"server must be one of {', '.join(ops.SERVER_KINDS)}, got {server!r}")
+    return {"path": path, "checkpoint_id": checkpoint_id, "version": version, "pause_mode": pause_mode,
+            "server": server}
+
+
+def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
+                   pause_mode: str = "keep", server: str | None = None, user=None, source: str = "api",
+                   trace_id: str | None = None) -> dict:
+    """pause(keep) -> update -> resume on every replica (resume always sent), here and now (a worker's or a
+    command's process: see `submit`). When every replica took the new weights, records the new
+    `WeightVersion` (given, or the last + 1). Returns the report with the version, failed / unanswered /
+    not-resumed replicas and every request's timings."""
+    p = check_update(endpoint, path=path, checkpoint_id=checkpoint_id, version=version, pause_mode=pause_mode,
+                     server=server)
+    path, checkpoint_id, version, pause_mode, server = (p["path"], p["checkpoint_id"], p["version"],
+                                                        p["pause_mode"], p["server"])
     urls = _urls(endpoint)
     previous = current_version(endpoint)
     new_version = version if version is not None else _next_version(endpoint)
-    trace_id = new_trace_id()
+    trace_id = trace_id or new_trace_id()
 
     async def go(client):
         kind = server or await ops.detect_server(client, urls[0])
@@ -178,6 +205,96 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
             "requested_version": str(new_version), "failed_replicas": report.failed_replicas,
             "unanswered_replicas": report.unanswered_replicas, "not_resumed": report.not_resumed,
             "operations": [_op_dict(s, endpoint.api_key) for s in report.steps]}
+
+
+# ------------------------------------------------------------------------------------ queued actions
+class QueueUnavailable(RuntimeError):
+    """The task queue could not take the action (the API answers 503); the action is marked failed."""
+
+
+def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> AdminAction:
+    """Validate an action (AdminOpError on bad input), store it as a queued `AdminAction` and hand it to a
+    Celery worker, which calls the model servers; the report lands on the row. The web process never
+    calls a model server (a user-registered URL), and never waits on one."""
+    if kind == "update_weights":
+        params = check_update(endpoint, **raw)
+    else:
+        params = check_operation(endpoint, kind, **raw)
+    action = AdminAction.objects.create(endpoint=endpoint, trace_id=new_trace_id(), kind=kind, params=params,
+                                        source=source[:20], requested_by=user if getattr(user, "pk", None) else None)
+    try:  # by name: the task module imports this one
+        current_app.tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
+    except Exception as exc:  # noqa: BLE001 - kombu / redis errors: nothing was sent
+        AdminAction.objects.filter(pk=action.pk).update(state=AdminAction.State.FAILED, finished_at=timezone.now(),
+                                                        error=f"the task queue is unavailable: {exc}"[:2000])
+        raise QueueUnavailable("The task queue is unavailable; try again shortly.") from exc
+    action.refresh_from_db()  # eager tasks (tests, CELERY_TASK_ALWAYS_EAGER) have already run it
+    return action
+
+
+def action_ok(kind: str, result: dict | None) -> bool:
+    if not result:
+        return False
+    return bool(result.get("ok")) and (kind != "update_weights" or bool(result.get("applied")))
+
+
+def execute(action_id: int) -> str | None:
+    """Run a queued action (in a worker). Claimed atomically, so a redelivered task does not run it twice.
+    Returns its final state, or None when there was nothing to run."""
+    claimed = AdminAction.objects.filter(pk=action_id, state=AdminAction.State.QUEUED).update(
+        state=AdminAction.State.RUNNING, started_at=timezone.now())
+    if not claimed:
+        # Delivered again while marked running: the worker that ran it was lost (a live run finishes within
+        # the task's time limit, well before the broker's visibility timeout redelivers it). Not re-sent:
+        # a half-done pause or update is for a person to look at.
+        AdminAction.objects.filter(pk=action_id, state=AdminAction.State.RUNNING).update(
+            state=AdminAction.State.FAILED, finished_at=timezone.now(),
+            error="the worker running this action was lost; check the replicas (they may still be paused)")
+        return None
+    action = AdminAction.objects.select_related("endpoint", "requested_by").get(pk=action_id)
+    p, kw = action.params, {"user": action.requested_by, "source": action.source, "trace_id": action.trace_id}
+    result, error = None, ""
+    try:
+        if action.kind == "update_weights":
+            result = update_weights(action.endpoint, path=p.get("path", ""), checkpoint_id=p.get("checkpoint_id", ""),
+                                    version=p.get("version"), pause_mode=p.get("pause_mode", "keep"),
+                                    server=p.get("server"), **kw)
+        else:
+            result = run_operation(action.endpoint, action.kind, mode=p.get("mode"), level=p.get("level"),
+                                   count=p.get("count"), **kw)
+    except AdminOpError as exc:  # the endpoint changed since it was queued (e.g. now a hosted API)
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded on the row; the worker lives on
+        error = f"{type(exc).__name__}: {exc}"
+    state = AdminAction.State.SUCCEEDED if action_ok(action.kind, result) else AdminAction.State.FAILED
+    AdminAction.objects.filter(pk=action_id).update(state=state, result=result, error=error[:2000],
+                                                    finished_at=timezone.now())
+    return state
+
+
+def action_summary(action: AdminAction, user=None) -> str:
+    """One line for people (the dashboard, the command): what happened, and where it failed (errors as
+    `user` may read them, when given)."""
+    out = (result_for(user, action.result) if user else action.result) or {}
+    if action.state == AdminAction.State.QUEUED:
+        return f"{action.kind}: queued"
+    if action.state == AdminAction.State.RUNNING:
+        return f"{action.kind}: running"
+    if action.error:
+        return f"{action.kind}: {action.error}"
+    if action.kind == "update_weights":
+        if action.state == AdminAction.State.SUCCEEDED:
+            return f"weights updated to version {out.get('version')}"
+        unanswered = out.get("unanswered_replicas") or []
+        not_resumed = out.get("not_resumed") or []
+        return (f"weight update failed on {', '.join(out.get('failed_replicas') or []) or 'a replica'}"
+                f"{' (no answer: ' + ', '.join(unanswered) + ')' if unanswered else ''}"
+                f"{'; NOT resumed: ' + ', '.join(not_resumed) if not_resumed else '; resumed'}")
+    if action.state == AdminAction.State.SUCCEEDED:
+        return f"{action.kind}: ok"
+    failed = [o for o in out.get("operations", []) if not o.get("ok")]
+    detail = "; ".join(f"{o['replica']}: {o['error']}" for o in failed[:3])
+    return f"{action.kind}: {len(failed)} of {len(out.get('operations', []))} request(s) failed: {detail}"
 
 
 # ------------------------------------------------------------------------------------ reading back
@@ -221,8 +338,31 @@ def queue_alerts(endpoint, *, limit: int = 20):
     return AdminOperation.objects.filter(endpoint=endpoint, queue_ms__gt=queue_alert_ms())[:limit]
 
 
-def operation_dict(op: AdminOperation) -> dict:
+_STATUS_THEN_BODY = re.compile(r"^(HTTP [0-9]{3})\b")
+
+
+def error_for(user, text: str) -> str:
+    """What `user` may read of a replica's error: staff see it all (at most 300 characters of the server's
+    own message, secrets redacted); anyone else the HTTP status only, never the server's body (issue 12:
+    a user-registered URL must not become a way to read other servers' pages). Our own messages (no answer
+    within N s, connection refused) are shown to everyone."""
+    if not text or getattr(user, "is_staff", False):
+        return text
+    m = _STATUS_THEN_BODY.match(text)
+    return m.group(1) if m else text
+
+
+def result_for(user, result: dict | None) -> dict | None:
+    """An action's report with each request's error as `user` may read it."""
+    if not result or getattr(user, "is_staff", False):
+        return result
+    return {**result, "operations": [{**o, "error": error_for(user, o.get("error", ""))}
+                                     for o in result.get("operations", [])]}
+
+
+def operation_dict(op: AdminOperation, user=None) -> dict:
     return {"id": op.pk, "endpoint": op.endpoint_id, "trace_id": op.trace_id, "kind": op.kind, "replica": op.replica,
-            "status": op.status, "http_status": op.http_status, "error": op.error, "wall_ms": op.wall_ms,
+            "status": op.status, "http_status": op.http_status, "error": error_for(user, op.error) if user else op.error,
+            "wall_ms": op.wall_ms,
             "rpc_ms": op.rpc_ms, "queue_ms": op.queue_ms, "connect_ms": op.connect_ms, "rpc_source": op.rpc_source,
             "attempts": op.attempts, "params": op.params, "source": op.source, "created_at": op.created_at.isoformat()}

@@ -1,12 +1,16 @@
 """REST API for admin operations on model servers and weight versions (thin: logic in admin_ops/versions).
 
+Operations run in a Celery worker, never in the web process: a POST validates the request, stores an
+`AdminAction` and answers 202 with its URL (also in `Location`); the report lands on the action.
+
     POST /api/endpoints/<id>/weights/              one weight update (what a trainer calls after each
                                                    checkpoint): {"path" | "checkpoint_id", "version"?,
                                                    "pause_mode"?: keep} -> pause -> update -> resume
-                                                   (always); 200 when every replica took the weights,
-                                                   502 with the same report when one did not
+                                                   (always) on every replica
     POST /api/endpoints/<id>/admin/<kind>/         health | prewarm {"count"} | reset_prefix_cache |
                                                    pause {"mode"} | resume | sleep {"level"} | wake_up
+    GET  /api/endpoints/<id>/admin/actions/<n>/    the action: state (queued, running, succeeded,
+                                                   failed) and, once finished, its report
     GET  /api/endpoints/<id>/admin/operations/     the operation log (?trace_id=prefix, ?kind=, ?limit=)
     GET  /api/endpoints/<id>/admin/stats/          p50/p95/p99 of queue/rpc/wall per kind, alert threshold
     GET  /api/jobs/<id>/weight-versions/           rollouts per weight version and their version lag
@@ -14,26 +18,27 @@
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import serializers
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
+from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound, ValidationError
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
+from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
 from controlplane.access import visible_endpoints, visible_jobs
+from controlplane.api.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.api.parsers import JSONParser
+from controlplane.api.serializers import NO_NUL, StrictJSONTypes
 
-from workers.admin.ops import PAUSE_MODES
+from workers.admin.ops import PAUSE_MODES, SERVER_KINDS
 
 from . import admin_ops, versions
+from .models import AdminAction, AdminOperation
 
-ERRORS = {401: OpenApiResponse(description="Not authenticated"),
-          404: OpenApiResponse(description="Not found (or another user's endpoint)")}
+OBJECT = {"type": "object", "additionalProperties": {}}
 
 
-class _Base(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+class _Base(ApiMixin, APIView):
     parser_classes = [JSONParser]
 
     def endpoint(self, request, endpoint_id):
@@ -43,140 +48,182 @@ class _Base(APIView):
         return ep
 
 
-class WeightUpdateSerializer(serializers.Serializer):
-    path = serializers.CharField(max_length=1000, required=False, allow_blank=True, default="",
-                                 help_text="directory of the new weights (as the model server sees it)")
-    checkpoint_id = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
+# ------------------------------------------------------------------------------------ actions
+class AdminActionSerializer(serializers.ModelSerializer):
+    url = serializers.SerializerMethodField(help_text="poll this until `state` is succeeded or failed")
+    params = serializers.SerializerMethodField(help_text="the parameters it runs with (defaults filled in)")
+    result = serializers.SerializerMethodField(
+        help_text="once finished: the report. An operation: {trace_id, kind, params, ok, operations, unanswered "
+                  "(, sent, succeeded)}; a weight update: {trace_id, ok, applied, server, version, previous_version, "
+                  "requested_version, failed_replicas, unanswered_replicas, not_resumed, operations}. Each "
+                  "operation: one request to one replica with its status and wall/rpc/queue ms.")
+    summary = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AdminAction
+        fields = ["id", "url", "endpoint", "trace_id", "kind", "state", "params", "result", "error", "summary",
+                  "source", "created_at", "started_at", "finished_at"]
+        read_only_fields = fields
+
+    def get_url(self, action) -> str:
+        return reverse("api:endpoints:admin-action", kwargs={"id": action.endpoint_id, "action_id": action.pk},
+                       request=self.context.get("request"))
+
+    @extend_schema_field(OBJECT)
+    def get_params(self, action):
+        return action.params
+
+    def _user(self):
+        request = self.context.get("request")
+        return getattr(request, "user", None)
+
+    @extend_schema_field({**OBJECT, "nullable": True})
+    def get_result(self, action):
+        return admin_ops.result_for(self._user(), action.result)
+
+    def get_summary(self, action) -> str:
+        return admin_ops.action_summary(action, self._user())
+
+
+def _accepted(request, action) -> Response:
+    body = AdminActionSerializer(action, context={"request": request}).data
+    return Response(body, status=status.HTTP_202_ACCEPTED, headers={"Location": body["url"]})
+
+
+def _submit(request, ep, kind, **params):
+    try:
+        return _accepted(request, admin_ops.submit(ep, kind, user=request.user, source="api", **params))
+    except admin_ops.AdminOpError as e:
+        raise ValidationError({"detail": str(e)}) from None
+    except admin_ops.QueueUnavailable as e:
+        return Response({"detail": str(e), "code": "unavailable"}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
+ACTION_RESPONSES = {202: AdminActionSerializer, **errors(400, *READ_ERRORS, 503)}
+
+
+class WeightUpdateSerializer(StrictJSONTypes, serializers.Serializer):
+    """At least one of path and checkpoint_id (the schema says so with anyOf: see schema_hooks)."""
+    # Sent as given (not trimmed): the model server is the judge of a path or an id.
+    path = serializers.CharField(min_length=1, max_length=1000, required=False, trim_whitespace=False,
+                                 validators=[NO_NUL], help_text="directory of the new weights (as the model server sees it)")
+    checkpoint_id = serializers.CharField(min_length=1, max_length=300, required=False, trim_whitespace=False,
+                                          validators=[NO_NUL])
     version = serializers.IntegerField(min_value=0, max_value=2**62, required=False, allow_null=True, default=None,
                                        help_text="the weight version to tag rollouts with (default: last + 1)")
     pause_mode = serializers.ChoiceField(choices=PAUSE_MODES, default="keep")
-    server = serializers.ChoiceField(choices=["simulator", "vllm"], required=False, allow_null=True, default=None,
+    server = serializers.ChoiceField(choices=SERVER_KINDS, required=False, allow_null=True, default=None,
                                      help_text="how to send the update (default: detected from /version)")
 
     def validate(self, data):
-        if not data["path"].strip() and not data["checkpoint_id"].strip():
+        if "path" not in data and "checkpoint_id" not in data:
             raise serializers.ValidationError({"path": "give the new weights: a path or a checkpoint_id"})
         return data
 
 
-class OperationSerializer(serializers.Serializer):
-    kind = serializers.CharField()
-    replica = serializers.CharField()
-    status = serializers.CharField()
-    ok = serializers.BooleanField()
-    http_status = serializers.IntegerField(allow_null=True)
-    error = serializers.CharField()
-    wall_ms = serializers.FloatField(allow_null=True)
-    rpc_ms = serializers.FloatField(allow_null=True)
-    queue_ms = serializers.FloatField(allow_null=True)
-    attempts = serializers.IntegerField()
-    timed_out = serializers.BooleanField()
-
-
-class WeightUpdateResultSerializer(serializers.Serializer):
-    trace_id = serializers.CharField()
-    ok = serializers.BooleanField()
-    applied = serializers.BooleanField()
-    server = serializers.CharField()
-    version = serializers.CharField()
-    previous_version = serializers.CharField()
-    requested_version = serializers.CharField()
-    failed_replicas = serializers.ListField(child=serializers.CharField())
-    unanswered_replicas = serializers.ListField(child=serializers.CharField())
-    not_resumed = serializers.ListField(child=serializers.CharField())
-    operations = OperationSerializer(many=True)
-
-
 class WeightUpdateView(_Base):
-    @extend_schema(summary="Update the weights on every replica: pause(keep) -> update -> resume (always)",
-                   request=WeightUpdateSerializer,
-                   responses={200: WeightUpdateResultSerializer,
-                              400: OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors"),
-                              502: WeightUpdateResultSerializer, **ERRORS})
+    @extend_schema(summary="Update the weights on every replica: pause(keep) -> update -> resume (always), in a "
+                           "worker; poll the action's URL for the report",
+                   request=WeightUpdateSerializer, responses=ACTION_RESPONSES)
     def post(self, request, id: str):
         ep = self.endpoint(request, id)
         ser = WeightUpdateSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
         d = ser.validated_data
-        try:
-            out = admin_ops.update_weights(ep, path=d["path"], checkpoint_id=d["checkpoint_id"], version=d["version"],
-                                           pause_mode=d["pause_mode"], server=d["server"], user=request.user,
-                                           source="api")
-        except admin_ops.AdminOpError as e:
-            raise ValidationError({"detail": str(e)}) from None
-        return Response(out, status=200 if out["applied"] and out["ok"] else 502)
+        return _submit(request, ep, "update_weights", path=d.get("path", ""), checkpoint_id=d.get("checkpoint_id", ""),
+                       version=d["version"], pause_mode=d["pause_mode"], server=d["server"])
 
 
-class OperationRequestSerializer(serializers.Serializer):
-    mode = serializers.ChoiceField(choices=PAUSE_MODES, required=False, help_text="pause only")
-    level = serializers.ChoiceField(choices=[1, 2], required=False, help_text="sleep only")
+class OperationRequestSerializer(StrictJSONTypes, serializers.Serializer):
+    mode = serializers.ChoiceField(choices=PAUSE_MODES, required=False, help_text="pause only (default keep)")
+    level = serializers.IntegerField(min_value=1, max_value=2, required=False, help_text="sleep only (default 1)")
     count = serializers.IntegerField(min_value=0, max_value=admin_ops.MAX_PREWARM, required=False,
                                      help_text="prewarm only: how many tiny requests (default 4 per replica)")
 
 
-class OperationResultSerializer(serializers.Serializer):
-    trace_id = serializers.CharField()
-    kind = serializers.CharField()
-    params = serializers.JSONField()
-    ok = serializers.BooleanField()
-    operations = OperationSerializer(many=True)
-    unanswered = serializers.ListField(child=serializers.CharField())
-
-
 class OperationView(_Base):
-    @extend_schema(summary="Run an admin operation on every replica (health, prewarm, reset_prefix_cache, pause, "
-                           "resume, sleep, wake_up)", request=OperationRequestSerializer,
-                   responses={200: OperationResultSerializer,
-                              400: OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors"), **ERRORS})
+    @extend_schema(summary="Run an admin operation on every replica, in a worker (health, prewarm, "
+                           "reset_prefix_cache, pause, resume, sleep, wake_up); poll the action's URL for the report",
+                   parameters=[OpenApiParameter("kind", str, OpenApiParameter.PATH, enum=list(admin_ops.SIMPLE_KINDS))],
+                   request=OperationRequestSerializer, responses=ACTION_RESPONSES)
     def post(self, request, id: str, kind: str):
         ep = self.endpoint(request, id)
         if kind not in admin_ops.SIMPLE_KINDS:
             raise NotFound(f"unknown operation {kind!r}; known: {', '.join(admin_ops.SIMPLE_KINDS)}")
-        ser = OperationRequestSerializer(data=request.data if isinstance(request.data, dict) else {})
+        ser = OperationRequestSerializer(data=request.data)  # a body that is not an object is a 400
         ser.is_valid(raise_exception=True)
         d = ser.validated_data
-        try:
-            out = admin_ops.run_operation(ep, kind, mode=d.get("mode"), level=d.get("level"), count=d.get("count"),
-                                          user=request.user, source="api")
-        except admin_ops.AdminOpError as e:
-            raise ValidationError({"detail": str(e)}) from None
-        return Response(out)
+        return _submit(request, ep, kind, mode=d.get("mode"), level=d.get("level"), count=d.get("count"))
+
+
+class ActionView(_Base):
+    @extend_schema(summary="An admin action: its state and, once finished, its report",
+                   responses={200: AdminActionSerializer, **errors(*READ_ERRORS)})
+    def get(self, request, id: str, action_id: str):
+        ep = self.endpoint(request, id)
+        action = AdminAction.objects.filter(endpoint=ep, pk=int(action_id)).first()
+        if action is None:
+            raise NotFound("No admin action with this id for this endpoint.")
+        return Response(AdminActionSerializer(action, context={"request": request}).data)
+
+
+# ------------------------------------------------------------------------------------ reading back
+class OperationLogQuerySerializer(serializers.Serializer):
+    trace_id = serializers.CharField(max_length=64, required=False, help_text="a trace id or its prefix")
+    kind = serializers.ChoiceField(choices=admin_ops.KINDS, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
+
+
+class OperationEntrySerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    endpoint = serializers.IntegerField()
+    trace_id = serializers.CharField()
+    kind = serializers.ChoiceField(choices=AdminOperation.Kind.choices)
+    replica = serializers.CharField()
+    status = serializers.ChoiceField(choices=AdminOperation.Status.choices)
+    http_status = serializers.IntegerField(allow_null=True)
+    error = serializers.CharField(allow_blank=True)
+    wall_ms = serializers.FloatField(allow_null=True)
+    rpc_ms = serializers.FloatField(allow_null=True)
+    queue_ms = serializers.FloatField(allow_null=True)
+    connect_ms = serializers.FloatField(allow_null=True)
+    rpc_source = serializers.CharField(allow_blank=True)
+    attempts = serializers.IntegerField()
+    params = serializers.JSONField()
+    source = serializers.CharField(allow_blank=True)
+    created_at = serializers.DateTimeField()
+
+
+class OperationLogSerializer(serializers.Serializer):
+    endpoint = serializers.IntegerField()
+    operations = OperationEntrySerializer(many=True)
 
 
 class OperationLogView(_Base):
-    @extend_schema(summary="The endpoint's admin operation log, newest first",
-                   parameters=[OpenApiParameter("trace_id", str, description="a trace id or its prefix"),
-                               OpenApiParameter("kind", str), OpenApiParameter("limit", int)],
-                   responses={200: OpenApiTypes.OBJECT, **ERRORS})
+    @extend_schema(summary="The endpoint's admin operation log (one row per request to a replica), newest first",
+                   parameters=[OperationLogQuerySerializer],
+                   responses={200: OperationLogSerializer, **errors(400, *READ_ERRORS)})
     def get(self, request, id: str):
         ep = self.endpoint(request, id)
-        try:
-            limit = max(1, min(int(request.query_params.get("limit", 200)), 1000))
-        except ValueError:
-            raise ValidationError({"limit": "must be an integer"}) from None
-        kind = request.query_params.get("kind", "")
-        if kind and kind not in admin_ops.KINDS:
-            raise ValidationError({"kind": f"one of {', '.join(admin_ops.KINDS)}"})
-        rows = admin_ops.operations(ep, trace_id=request.query_params.get("trace_id", "")[:64], kind=kind, limit=limit)
-        return Response({"endpoint": ep.pk, "operations": [admin_ops.operation_dict(o) for o in rows]})
+        q = query_params(OperationLogQuerySerializer, request)
+        rows = admin_ops.operations(ep, trace_id=q.get("trace_id", ""), kind=q.get("kind", ""), limit=q["limit"])
+        return Response({"endpoint": ep.pk, "operations": [admin_ops.operation_dict(o, request.user) for o in rows]})
 
 
 class OperationStatsView(_Base):
     @extend_schema(summary="p50/p95/p99 of queue_ms, rpc_ms and wall_ms per operation kind, with queue alerts",
-                   responses={200: OpenApiTypes.OBJECT, **ERRORS})
+                   responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
     def get(self, request, id: str):
         ep = self.endpoint(request, id)
         return Response({"endpoint": ep.pk, "queue_alert_ms": admin_ops.queue_alert_ms(),
                          "current_weight_version": admin_ops.current_version(ep),
                          "stats": admin_ops.timing_stats(ep),
-                         "alerts": [admin_ops.operation_dict(o) for o in admin_ops.queue_alerts(ep)]})
+                         "alerts": [admin_ops.operation_dict(o, request.user) for o in admin_ops.queue_alerts(ep)]})
 
 
-class JobWeightVersionsView(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
-
+class JobWeightVersionsView(ApiMixin, APIView):
     @extend_schema(summary="A job's rollouts per weight version, and their version lag (staleness)",
-                   responses={200: OpenApiTypes.OBJECT, **ERRORS})
+                   responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
     def get(self, request, job_id: str):
         job = visible_jobs(request.user).filter(pk=int(job_id)).first()
         if job is None:

@@ -110,6 +110,41 @@ class AdminOperation(models.Model):
         return f"{self.kind} {self.replica} {self.status} ({self.trace_id})"
 
 
+class AdminAction(models.Model):
+    """One admin action a user asked for (an operation on every replica, or a weight update), run by a
+    Celery worker: the web process creates this row and enqueues it, never calling a model server itself.
+    The worker records each request to each replica as an `AdminOperation` with the same trace id, and
+    the action's report lands in `result`."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "queued"
+        RUNNING = "running", "running"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+
+    FINISHED = (State.SUCCEEDED, State.FAILED)
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="admin_actions")
+    trace_id = models.CharField(max_length=64, db_index=True)
+    kind = models.CharField(max_length=30, choices=AdminOperation.Kind.choices)
+    params = models.JSONField(default=dict, blank=True, help_text="as validated when the action was asked for")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.QUEUED)
+    result = models.JSONField(null=True, blank=True, help_text="the report (every request's status and timings)")
+    error = models.TextField(blank=True, help_text="why the action could not run (not a replica's failure)")
+    source = models.CharField(max_length=20, blank=True, help_text="dashboard, api, command")
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                     related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"{self.kind} on endpoint {self.endpoint_id}: {self.state} ({self.trace_id})"
+
+
 class WeightVersion(models.Model):
     """A weight version an endpoint switched to through a weight update. Rollouts are tagged with the
     version the server reports (X-Weight-Version / weight_version); a server that reports none (vLLM) gets

@@ -1,6 +1,7 @@
-"""Health checks and pre-warm run here, in a Celery worker: the web process only enqueues them, so a
-user-registered URL is never called from the web process. Results land on the endpoint
-(last_health / last_health_at, last_prewarm)."""
+"""Health checks, pre-warm and admin actions (pause, resume, weight updates...) run here, in a Celery
+worker: the web process only enqueues them, so a user-registered URL is never called from the web
+process. Results land on the endpoint (last_health / last_health_at, last_prewarm) or on the
+`AdminAction` row."""
 from __future__ import annotations
 
 from celery import shared_task
@@ -27,6 +28,15 @@ def prewarm_task(endpoint_id: int, n: int = 4) -> bool:
     result["at"] = timezone.now().isoformat()
     Endpoint.objects.filter(pk=endpoint_id).update(last_prewarm=result)
     return result["ok"]
+
+
+# A weight update may wait on its own per-request timeouts (pause 120 s, update 600 s, resume 30 s) with
+# bounded retries; past the soft limit the action is recorded as failed.
+@shared_task(ignore_result=True, soft_time_limit=1800, time_limit=1900)
+def run_admin_action_task(action_id: int) -> str | None:
+    from . import admin_ops
+
+    return admin_ops.execute(action_id)
 
 
 def enqueue(kind: str, endpoint, n: int | None = None) -> None:

@@ -13,21 +13,40 @@ from __future__ import annotations
 
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_jobs
+from controlplane.api.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.api.parsers import JSONParser
+from controlplane.api.serializers import StrictJSONTypes
 
 from . import services
 from .models import ProfileSession, ProfileSnapshot
 
 
-class _Base(APIView):
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+class _Base(ApiMixin, APIView):
+    parser_classes = [JSONParser]
+
+
+BIGINT = 2**63 - 1
+
+
+class SessionQuerySerializer(serializers.Serializer):
+    session = serializers.IntegerField(min_value=1, max_value=BIGINT, required=False,
+                                       help_text="a profiling session of this job (default: the newest)")
+
+
+class ExportQuerySerializer(SessionQuerySerializer):
+    type = serializers.ChoiceField(choices=["pstats", "callgrind", "tree"], default="pstats")
+
+
+class CompareQuerySerializer(serializers.Serializer):
+    a = serializers.IntegerField(min_value=1, max_value=BIGINT, help_text="the baseline job")
+    b = serializers.IntegerField(min_value=1, max_value=BIGINT, help_text="the optimized job")
 
 
 def _job(request, job_id):
@@ -37,46 +56,48 @@ def _job(request, job_id):
     return job
 
 
-class ProfileStartSerializer(serializers.Serializer):
+# The length bound is in the pattern, not in maxLength: generators build boundary-length strings that ignore
+# the pattern.
+URL_PATTERN = r"^https?://[^\x00\ud800-\udfff]{1,2000}$"
+NO_NUL_PATTERN = r"^[^\x00\ud800-\udfff]*$"
+
+
+class StatsUrlSerializer(StrictJSONTypes, serializers.Serializer):
+    """A NeMo Gym server's /stats URL, and optionally its server.log (pulled into the same rows)."""
+    url = serializers.RegexField(URL_PATTERN, trim_whitespace=False)
+    log = serializers.RegexField(NO_NUL_PATTERN, max_length=1000, required=False, allow_blank=True,
+                                 trim_whitespace=False)
+
+
+class ProfileStartSerializer(StrictJSONTypes, serializers.Serializer):
     seconds = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=services.MAX_SECONDS)
     scope = serializers.ChoiceField(choices=["verify", "worker"], default="verify")
     clock = serializers.ChoiceField(choices=["wall", "cpu"], default="wall")
     budget_pct = serializers.FloatField(default=2.0, min_value=0.1, max_value=100)
     window_s = serializers.FloatField(default=5.0, min_value=1, max_value=600)
-    stats_urls = serializers.ListField(child=serializers.JSONField(), required=False, default=list, max_length=16)
+    stats_urls = StatsUrlSerializer(many=True, required=False, default=list, max_length=16)
 
     def validate_stats_urls(self, value):
-        out = []
-        for i, v in enumerate(value):
-            if isinstance(v, str):
-                v = {"url": v}
-            if not isinstance(v, dict) or not isinstance(v.get("url"), str) or not v["url"].startswith(("http://", "https://")):
-                raise ValidationError(f"item {i}: expected an http(s) URL or {{\"url\": ..., \"log\": ...}}")
-            if "log" in v and not isinstance(v["log"], str):
-                raise ValidationError(f"item {i}: log must be a path")
-            out.append({"url": v["url"], **({"log": v["log"]} if v.get("log") else {})})
-        return out
+        return [{"url": v["url"], **({"log": v["log"]} if v.get("log") else {})} for v in value]
 
 
 class JobProfileView(_Base):
     @extend_schema(summary="The job's profile: merged rows of every worker, red flags, overhead",
-                   parameters=[OpenApiParameter("session", int, required=False)],
-                   responses={200: OpenApiTypes.OBJECT, 404: OpenApiResponse(description="Not found")})
+                   parameters=[SessionQuerySerializer],
+                   responses={200: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS)})
     def get(self, request, job_id: str):
         job = _job(request, job_id)
+        q = query_params(SessionQuerySerializer, request)
         session = None
-        if request.query_params.get("session"):
-            try:
-                session = ProfileSession.objects.filter(job=job, pk=int(request.query_params["session"])).first()
-            except ValueError:
-                raise ValidationError({"session": "must be an integer"}) from None
+        if "session" in q:
+            session = ProfileSession.objects.filter(job=job, pk=q["session"]).first()
             if session is None:
                 raise NotFound("No profiling session with this id for this job.")
         return Response(services.job_profile(job, session))
 
     @extend_schema(summary="Switch profiling on for a queued or running job (profile for N seconds)",
                    request=ProfileStartSerializer,
-                   responses={201: OpenApiTypes.OBJECT, 400: OpenApiResponse(description="Invalid"),
+                   responses={201: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS),
                               409: OpenApiResponse(description="The job is finished")})
     def post(self, request, job_id: str):
         job = _job(request, job_id)
@@ -89,7 +110,7 @@ class JobProfileView(_Base):
         return Response(services._session_payload(session), status=status.HTTP_201_CREATED)
 
     @extend_schema(summary="Switch profiling off (the job keeps running)", request=None,
-                   responses={200: OpenApiTypes.OBJECT})
+                   responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
     def delete(self, request, job_id: str):
         job = _job(request, job_id)
         return Response({"stopped": services.stop(job)})
@@ -97,43 +118,34 @@ class JobProfileView(_Base):
 
 class JobProfileExportView(_Base):
     @extend_schema(summary="Export the job's profile: pstats (snakeviz), callgrind (KCachegrind), or a call tree",
-                   parameters=[OpenApiParameter("type", str, enum=["pstats", "callgrind", "tree"]),
-                               OpenApiParameter("session", int, required=False)],
-                   responses={200: OpenApiTypes.BINARY})
+                   parameters=[ExportQuerySerializer],
+                   responses={(200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY, description="pstats"),
+                              (200, "text/plain"): OpenApiResponse(OpenApiTypes.STR, description="callgrind"),
+                              (200, "application/json"): OpenApiResponse(OpenApiTypes.OBJECT, description="call tree"),
+                              **errors(400, *READ_ERRORS)})
     def get(self, request, job_id: str):
         job = _job(request, job_id)
-        fmt = request.query_params.get("type", "pstats")  # not "format": DRF reads that one
+        q = query_params(ExportQuerySerializer, request)  # "type", not "format": DRF reads that one
         snaps = ProfileSnapshot.objects.filter(job=job)
-        if request.query_params.get("session"):
-            try:
-                snaps = snaps.filter(session_id=int(request.query_params["session"]))
-            except ValueError:
-                raise ValidationError({"session": "must be an integer"}) from None
+        if "session" in q:
+            snaps = snaps.filter(session_id=q["session"])
         rows = services.rows_of(list(snaps))
         if not rows:
             raise NotFound("This job has no profile yet.")
-        if fmt == "pstats":
+        if q["type"] == "pstats":
             resp = HttpResponse(services.to_pstats(rows), content_type="application/octet-stream")
             resp["Content-Disposition"] = f'attachment; filename="job{job.pk}.pstats"'
             return resp
-        if fmt == "callgrind":
+        if q["type"] == "callgrind":
             resp = HttpResponse(services.to_callgrind(rows, title=f"job {job.pk}"), content_type="text/plain")
             resp["Content-Disposition"] = f'attachment; filename="callgrind.out.job{job.pk}"'
             return resp
-        if fmt == "tree":
-            return Response(services.call_tree(rows))
-        raise ValidationError({"type": "one of pstats, callgrind, tree"})
+        return Response(services.call_tree(rows))
 
 
 class ProfileCompareView(_Base):
     @extend_schema(summary="Compare two jobs' profiles per function (baseline a, optimized b)",
-                   parameters=[OpenApiParameter("a", int), OpenApiParameter("b", int)],
-                   responses={200: OpenApiTypes.OBJECT})
+                   parameters=[CompareQuerySerializer], responses={200: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS)})
     def get(self, request):
-        ids = {}
-        for k in ("a", "b"):
-            try:
-                ids[k] = int(request.query_params.get(k, ""))
-            except ValueError:
-                raise ValidationError({k: "a job id is required"}) from None
-        return Response(services.compare_jobs(_job(request, ids["a"]), _job(request, ids["b"])))
+        q = query_params(CompareQuerySerializer, request)
+        return Response(services.compare_jobs(_job(request, q["a"]), _job(request, q["b"])))

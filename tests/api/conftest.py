@@ -37,7 +37,7 @@ def staff(db):
 def _client(user=None):
     c = APIClient()
     if user is not None:
-        c.credentials(HTTP_AUTHORIZATION=f"Token {user.auth_token.key}")
+        c.credentials(HTTP_AUTHORIZATION=f"Token {user.api_token}")
     return c
 
 

@@ -1,8 +1,13 @@
 """Token auth, anonymous access (401 on every route), the schema and docs pages, JSON 404s, throttling."""
 from __future__ import annotations
 
+import hashlib
+from datetime import datetime, timedelta
+
 import pytest
 from django.urls import reverse
+from django.utils import timezone
+from rest_framework.test import APIClient
 
 pytestmark = pytest.mark.django_db
 
@@ -33,11 +38,82 @@ def test_bad_token_is_401(anon):
 
 def test_obtain_token(anon, alice):
     r = anon.post("/api/auth/token/", {"username": "alice", "password": "pw-alice"}, format="json")
-    assert r.status_code == 200 and r.json()["token"] == alice.auth_token.key
+    assert r.status_code == 200
+    token = r.json()["token"]
+    assert len(token) == 64 and token != alice.api_token  # a new token per login; the older one still works
+    expiry = datetime.fromisoformat(r.json()["expiry"])
+    assert timedelta(days=29) < expiry - timezone.now() <= timedelta(days=30)
     r = anon.post("/api/auth/token/", {"username": "alice", "password": "wrong"}, format="json")
     assert r.status_code == 400 and "token" not in r.json()
-    anon.credentials(HTTP_AUTHORIZATION=f"Token {alice.auth_token.key}")
+    for t in (token, alice.api_token):
+        anon.credentials(HTTP_AUTHORIZATION=f"Token {t}")
+        assert anon.get("/api/jobs/").status_code == 200
+
+
+def test_tokens_are_stored_hashed(anon, alice, bob):
+    """No column of any row holds a token: knox keeps a SHA-512 digest and a 15-character lookup prefix."""
+    from django.db import connection
+
+    token = anon.post("/api/auth/token/", {"username": "alice", "password": "pw-alice"}, format="json").json()["token"]
+    tables = [t for t in connection.introspection.table_names() if "token" in t]
+    assert tables == ["knox_authtoken"]
+    with connection.cursor() as cur:
+        cur.execute("SELECT * FROM knox_authtoken")
+        cells = [str(c) for row in cur.fetchall() for c in row]
+    assert len(cells) == 3 * 5  # alice's fixture token, bob's, the one just obtained
+    for t in (token, alice.api_token, bob.api_token):
+        assert not any(t in c for c in cells)
+        assert hashlib.sha512(t.encode()).hexdigest() in cells
+
+
+def test_an_expired_token_is_refused_with_a_clear_401(anon, alice):
+    from knox.models import AuthToken
+
+    anon.credentials(HTTP_AUTHORIZATION=f"Token {alice.api_token}")
     assert anon.get("/api/jobs/").status_code == 200
+    AuthToken.objects.filter(user=alice).update(expiry=timezone.now() - timedelta(seconds=1))
+    r = anon.get("/api/jobs/")
+    assert r.status_code == 401 and r["WWW-Authenticate"].startswith("Token")
+    assert r.json()["detail"].startswith("Token expired") and "/api/auth/token/" in r.json()["detail"]
+    assert not AuthToken.objects.filter(user=alice).exists()  # expired tokens are deleted on sight
+    assert anon.get("/api/jobs/").json()["detail"] == "Invalid token."
+
+
+def test_logout_revokes_only_the_token_it_was_sent_with(anon, alice):
+    second = anon.post("/api/auth/token/", {"username": "alice", "password": "pw-alice"}, format="json").json()["token"]
+    anon.credentials(HTTP_AUTHORIZATION=f"Token {second}")
+    assert anon.delete("/api/auth/token/").status_code == 204
+    assert anon.get("/api/jobs/").status_code == 401
+    anon.credentials(HTTP_AUTHORIZATION=f"Token {alice.api_token}")
+    assert anon.get("/api/jobs/").status_code == 200
+    anon.credentials()
+    assert anon.delete("/api/auth/token/").status_code == 401
+
+
+def test_existing_drf_tokens_are_migrated_hashed(alice):
+    """A database from before knox: its plaintext DRF tokens keep working, hashed, and the plaintext is gone."""
+    import importlib
+
+    from django.apps import apps
+    from django.db import connection
+
+    migration = importlib.import_module("controlplane.api.migrations.0001_apischema_hash_drf_tokens")
+    legacy = "0123456789abcdef0123456789abcdef01234567"  # a DRF key: 40 hex characters
+    with connection.cursor() as cur:
+        cur.execute("CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, created timestamptz NOT NULL,"
+                    " user_id integer NOT NULL)")
+        cur.execute("INSERT INTO authtoken_token VALUES (%s, now(), %s)", [legacy, alice.pk])
+    with connection.schema_editor() as editor:
+        migration.hash_drf_tokens(apps, editor)
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM authtoken_token")
+        assert cur.fetchone()[0] == 0
+        cur.execute("SELECT digest, token_key FROM knox_authtoken WHERE digest = %s",
+                    [hashlib.sha512(legacy.encode()).hexdigest()])
+        assert cur.fetchall() == [(hashlib.sha512(legacy.encode()).hexdigest(), legacy[:15])]
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Token {legacy}")
+    assert c.get("/api/jobs/").status_code == 200
 
 
 def test_session_auth_also_works(client, alice):

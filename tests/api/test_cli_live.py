@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_math.jsonl"
@@ -65,7 +65,7 @@ class Proc:
 def stack(transactional_db, tmp_path, django_user_model):
     """Web server + Celery worker on the test database; yields (url, token)."""
     user = django_user_model.objects.create_user(username="ci", password="pw")
-    token = Token.objects.create(user=user).key
+    token = api_token(user)
     queue = f"api-cli-{uuid.uuid4().hex[:10]}"
     env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue,
            "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONUNBUFFERED": "1"}
@@ -188,3 +188,61 @@ def test_cli_wait_timeout_and_cancelled_job(stack, simulator_factory, tmp_path):
     assert r.returncode == 3 and "cancelled" in r.stderr
     r = cli(url, token, "run", "--dataset-id", 10**9, "--endpoint", 1, "--no-progress")
     assert r.returncode == 5 and "HTTP 400" in r.stderr and "dataset" in r.stderr
+
+
+def _api(url, token, method, path, body=None):
+    req = urllib.request.Request(f"{url}/api/{path}", method=method, data=json.dumps(body).encode() if body else None,
+                                 headers={"Authorization": f"Token {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, dict(r.headers), json.loads(r.read() or b"null")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory, django_user_model):
+    """Admin operations run in the Celery worker: the web answers 202 at once, even when the model server
+    hangs, and the report lands on the action; `rolloutctl` polls it. `login` issues a token, `logout`
+    revokes it."""
+    from controlplane.endpoints.models import AdminAction, Endpoint
+
+    url, token, _ = stack
+    # login: a new token that works; logout revokes that one only
+    env = {**os.environ, "ROLLOUTCTL_PASSWORD": "pw"}
+    r = subprocess.run([sys.executable, "-m", "rolloutctl", "login", "--url", url, "--username", "ci"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    fresh = r.stdout.strip()
+    assert len(fresh) == 64 and fresh != token and "valid until" in r.stderr
+    assert _api(url, fresh, "GET", "endpoints/")[0] == 200
+    assert cli(url, fresh, "logout").returncode == 0
+    r = cli(url, fresh, "admin-stats", 1)
+    assert r.returncode == 5 and "HTTP 401" in r.stderr
+
+    sim = simulator_factory(update_weights_ms=50)
+    ep = Endpoint.objects.create(owner=django_user_model.objects.get(username="ci"), name="sim", base_url=sim.url,
+                                 model_name=sim.model, max_retries=0)
+    r = cli(url, token, "update-weights", ep.pk, "--checkpoint-id", "ck-1", "--poll-interval", 0.2, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["applied"] and out["version"] == "1"
+    assert [o["kind"] for o in out["operations"]] == ["pause", "update_weights", "resume"]
+    assert sim.get_json("/weight_version")["weight_version"] == 1
+    action = AdminAction.objects.get(trace_id=out["trace_id"])
+    assert action.state == "succeeded" and action.source == "api" and action.started_at >= action.created_at
+
+    # a model server that does not answer: the web process answers 202 at once (it never calls the server)
+    sim.configure(admin_faults={"health": "stall"})
+    t0 = time.monotonic()
+    status, headers, body = _api(url, token, "POST", f"endpoints/{ep.pk}/admin/health/", {})
+    assert status == 202 and time.monotonic() - t0 < 2.0
+    assert body["state"] in ("queued", "running") and headers["Location"] == body["url"]
+    assert body["url"] == f"{url}/api/endpoints/{ep.pk}/admin/actions/{body['id']}/"
+    # the CLI gives up waiting (exit 4) while the worker keeps on; the worker records the replica as unanswered
+    r = cli(url, token, "endpoint-op", ep.pk, "health", "--wait", 1, "--poll-interval", 0.2)
+    assert r.returncode == 4 and "still" in r.stderr, r.stderr
+    deadline = time.monotonic() + 60
+    while _api(url, token, "GET", f"endpoints/{ep.pk}/admin/actions/{body['id']}/")[2]["state"] != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    done = _api(url, token, "GET", f"endpoints/{ep.pk}/admin/actions/{body['id']}/")[2]
+    assert done["result"]["unanswered"] == [sim.url] and done["result"]["operations"][0]["status"] == "no_answer"

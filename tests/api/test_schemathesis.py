@@ -6,17 +6,17 @@ All of schemathesis's default checks run: no 5xx, status codes / content types /
 the schema, bad input rejected, and so on."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import schemathesis
-from schemathesis.checks import not_a_server_error
 from hypothesis import HealthCheck, settings as hyp_settings
 
-from schemathesis.specs.openapi.checks import (negative_data_rejection, positive_data_acceptance,
-                                               response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.factories import add_rollouts, service_job
+from controlplane.endpoints.models import AdminAction
+from tests.factories import add_rollouts, api_token, service_job
 
 MAX_EXAMPLES = 10
 
@@ -26,16 +26,13 @@ MAX_EXAMPLES = 10
 # check still runs on them (no 5xx, conforming status codes, content types and bodies, ...).
 # Endpoint URLs too: whether a host is allowed depends on what it resolves to (http://0 is 0.0.0.0) and
 # on the operator's allow-list.
-# Routes added or changed by the admin-operations, profiling and verification work whose documented
-# schema does not yet match their answers (undocumented 400s, a nullable field documented as an object,
-# bodies of the wrong type accepted). Until their schemas are fixed they are held to "never a 5xx" only.
-SCHEMA_LAGS = {"GET /api/endpoints/{id}/admin/operations/", "POST /api/endpoints/{id}/weights/",
-               "POST /api/endpoints/{id}/prewarm/", "GET /api/jobs/{job_id}/profile/",
-               "POST /api/jobs/{job_id}/profile/", "DELETE /api/jobs/{job_id}/profile/",
-               "GET /api/jobs/{job_id}/profile/export/", "GET /api/jobs/{id}/", "POST /api/jobs/{id}/cancel/",
-               "POST /api/jobs/{id}/resume/", "GET /api/profiles/compare/"}
 STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/",
                      "POST /api/endpoints/", "PUT /api/endpoints/{id}/", "PATCH /api/endpoints/{id}/"}
+# schemathesis's coverage phase builds strings inside array items ("stats_urls": [{"url": ...}]) from their
+# lengths alone, ignoring the documented pattern (it sends "" and "000000000" as URLs, which the pattern
+# `^https?://` excludes and the API rightly refuses). A generator limitation, not a schema lag: every other
+# check still runs on this route.
+GENERATOR_IGNORES_NESTED_PATTERN = {"POST /api/jobs/{job_id}/profile/"}
 
 
 @pytest.fixture
@@ -57,14 +54,21 @@ def api_schema(db, alice):
 
 
 # Every route under /api/ is fuzzed, including those other apps mount there (diagnosis, sweeps).
+# FUZZ_ONLY=<regex> narrows the run to matching paths while working on one route.
 schema = schemathesis.pytest.from_fixture("api_schema")
+if os.environ.get("FUZZ_ONLY"):
+    schema = schema.include(path_regex=os.environ["FUZZ_ONLY"])
 
 
 @pytest.fixture
-def world(alice):
+def world(alice, eager_tasks):
+    """Celery tasks run inline, so the admin actions and health checks the API queues are run (against a
+    closed local port) and their results, stored on the rows, are read back."""
     job = service_job(alice, limit=3)
     add_rollouts(job, 5, failed_every=2)
-    return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint}
+    action = AdminAction.objects.create(endpoint=job.endpoint, trace_id="fuzz", kind="health", source="api",
+                                        state="failed", error="not run", result=None)
+    return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint, "action": action}
 
 
 @schema.parametrize()
@@ -84,17 +88,15 @@ def test_api_conforms_to_schema(case, world):
             params["id"] = str(world["dataset"].pk)
         elif path.startswith("/api/endpoints/"):
             params["id"] = str(world["endpoint"].pk)
+            if "action_id" in params:
+                params["action_id"] = str(world["action"].pk)
     if path.startswith("/api/endpoints/{id}/") and path != "/api/endpoints/{id}/":
         # health, prewarm, admin operations, weight updates contact the model server: keep them local and quick
         world["endpoint"].base_url, world["endpoint"].connect_timeout_s = "http://127.0.0.1:9", 0.2
         world["endpoint"].request_timeout_s, world["endpoint"].max_retries = 0.5, 0
         world["endpoint"].save()
     label = f"{case.method.upper()} {path}"
-    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY else []
-    if label in SCHEMA_LAGS:
-        excluded += [positive_data_acceptance, negative_data_rejection, response_schema_conformance,
-                     status_code_conformance]
-    if label == "POST /api/endpoints/{id}/weights/":
-        excluded.append(not_a_server_error)  # 502 with the report is its answer when the model server fails
-    case.call_and_validate(headers={"Authorization": f"Token {world['alice'].auth_token.key}"},
+    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY | GENERATOR_IGNORES_NESTED_PATTERN else []
+    # A token per case: DELETE /api/auth/token/ revokes the one it is sent with.
+    case.call_and_validate(headers={"Authorization": f"Token {api_token(world['alice'])}"},
                            excluded_checks=excluded)

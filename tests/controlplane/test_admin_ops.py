@@ -13,11 +13,11 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db.models import Count
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints import admin_ops
-from controlplane.endpoints.models import AdminOperation, WeightVersion
+from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
 from controlplane.endpoints.versions import VersionTagger
 from controlplane.jobs import services
 from controlplane.jobs.export import iter_export_lines
@@ -29,10 +29,24 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def api(user):
+def api(user, eager_tasks):
+    """Celery tasks run inline: the API queues each action and a worker (here, inline) runs it."""
     c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    c.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
     return c
+
+
+def act(api, url, body=None, *, state=None):
+    """POST an admin action (202 with its URL), then read it back as a trainer polling it would; returns
+    its report (`result`)."""
+    r = api.post(url, body or {}, format="json")
+    assert r.status_code == 202, r.content
+    assert r["Location"] == r.json()["url"]
+    action = api.get(r["Location"]).json()
+    assert action["state"] in ("succeeded", "failed") and action["trace_id"] == action["result"]["trace_id"]
+    if state:
+        assert action["state"] == state, action
+    return action["result"]
 
 
 def _dead_url() -> str:
@@ -44,9 +58,7 @@ def _dead_url() -> str:
 def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_factory):
     a, b = simulator_factory(update_weights_ms=50), simulator_factory(update_weights_ms=50)
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url])
-    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"checkpoint_id": "step-100"}, format="json")
-    assert r.status_code == 200, r.content
-    out = r.json()
+    out = act(api, f"/api/endpoints/{ep.pk}/weights/", {"checkpoint_id": "step-100"}, state="succeeded")
     assert out["applied"] and out["ok"] and out["server"] == "simulator"
     assert out["version"] == "1" and out["previous_version"] == ""
     assert [o["kind"] for o in out["operations"]] == ["pause", "update_weights", "resume"] * 2
@@ -54,9 +66,8 @@ def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_fa
         assert sim.get_json("/weight_version")["weight_version"] == 1
         assert sim.get_json("/is_paused")["is_paused"] is False
     # the next update without a version is numbered after it; an explicit version is kept
-    assert api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/200"}, format="json").json()["version"] == "2"
-    assert api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/x", "version": 10},
-                    format="json").json()["version"] == "10"
+    assert act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/200"})["version"] == "2"
+    assert act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/x", "version": 10})["version"] == "10"
     assert list(WeightVersion.objects.filter(endpoint=ep).values_list("version", flat=True)) == ["10", "2", "1"]
     # stored: six operations per update with one trace id, timed, rpc from the server's Server-Timing
     ops = AdminOperation.objects.filter(endpoint=ep, trace_id=out["trace_id"])
@@ -79,23 +90,32 @@ def test_bad_update_requests_are_refused_and_send_nothing(api, user, sim_endpoin
     assert r.status_code == 400 and "path" in r.json()
     r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/x", "pause_mode": "sideways"}, format="json")
     assert r.status_code == 400
+    for bad in ({"path": ""}, {"path": "/x", "version": "3"}, ["/x"], "/x"):  # blank, wrong types, not an object
+        assert api.post(f"/api/endpoints/{ep.pk}/weights/", bad, format="json").status_code == 400, bad
     hosted = sim_endpoint(simulator.url, owner=user, kind="openai", name="hosted")
     r = api.post(f"/api/endpoints/{hosted.pk}/weights/", {"path": "/x"}, format="json")
     assert r.status_code == 400 and "no admin routes" in json.dumps(r.json())
-    assert not AdminOperation.objects.exists()
+    assert not AdminOperation.objects.exists() and not AdminAction.objects.exists()
 
 
 def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator_factory):
     sim = simulator_factory()
     sim.configure(admin_faults={"update_weights": "503"})
     ep = sim_endpoint(sim.url, owner=user, max_retries=1)
-    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/bad"}, format="json")
-    assert r.status_code == 502
-    out = r.json()
+    out = act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/bad"}, state="failed")
     assert not out["applied"] and out["failed_replicas"] == [sim.url] and out["not_resumed"] == []
     assert [(o["kind"], o["status"]) for o in out["operations"]] == [
         ("pause", "ok"), ("update_weights", "failed"), ("resume", "ok")]
     assert out["operations"][1]["attempts"] == 2 and out["operations"][1]["http_status"] == 503
+    # the owner (not staff) reads the status code only, never the server's body; staff read the message
+    stored = AdminOperation.objects.get(kind="update_weights", trace_id=out["trace_id"]).error
+    assert out["operations"][1]["error"] == "HTTP 503" and stored.startswith("HTTP 503: ") and len(stored) > 10
+    log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"kind": "update_weights"}).json()["operations"]
+    assert [o["error"] for o in log] == ["HTTP 503"]
+    staff = APIClient()
+    staff.force_authenticate(user=type(user).objects.create_user("root", password="x", is_staff=True))
+    action = staff.get(f"/api/endpoints/{ep.pk}/admin/actions/{AdminAction.objects.get().pk}/").json()
+    assert action["result"]["operations"][1]["error"] == stored
     assert sim.get_json("/is_paused")["is_paused"] is False
     assert not WeightVersion.objects.exists() and out["version"] == ""
     assert AdminOperation.objects.filter(kind="resume", status="ok", trace_id=out["trace_id"]).count() == 1
@@ -112,40 +132,82 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
     admin_client.DEFAULT_TIMEOUTS_S.update(pause=1.0, health=1.0)
     try:
         t0 = time.monotonic()
-        r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/3"}, format="json")
-        out = r.json()
+        out = act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/3"}, state="failed")
         assert time.monotonic() - t0 < 15
-        assert r.status_code == 502 and out["unanswered_replicas"] == [stuck.url]
+        assert out["unanswered_replicas"] == [stuck.url]
         assert set(out["failed_replicas"]) == {stuck.url, dead}
         statuses = {(o["replica"], o["kind"]): o["status"] for o in out["operations"]}
         assert statuses[(stuck.url, "pause")] == "no_answer" and statuses[(stuck.url, "resume")] == "ok"
         assert statuses[(dead, "pause")] == "failed" and statuses[(good.url, "update_weights")] == "ok"
-        h = api.post(f"/api/endpoints/{ep.pk}/admin/health/", {}, format="json").json()
+        h = act(api, f"/api/endpoints/{ep.pk}/admin/health/")
         assert h["ok"] is False and h["unanswered"] == [stuck.url]
     finally:
         admin_client.DEFAULT_TIMEOUTS_S.clear()
         admin_client.DEFAULT_TIMEOUTS_S.update(old)
 
 
+def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulator_factory):
+    """Without a worker the action stays queued and no model server hears of it; the task (what a worker
+    runs) records the report on the action, once: a redelivered task does not send the update again."""
+    from controlplane.endpoints.tasks import run_admin_action_task
+
+    sim = simulator_factory(update_weights_ms=20)
+    ep = sim_endpoint(sim.url, owner=user)
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
+    r = c.post(f"/api/endpoints/{ep.pk}/weights/", {"checkpoint_id": "ck-7"}, format="json")
+    assert r.status_code == 202 and r.json()["state"] == "queued" and r.json()["result"] is None
+    action = AdminAction.objects.get()
+    assert action.params == {"path": "", "checkpoint_id": "ck-7", "version": None, "pause_mode": "keep", "server": None}
+    assert not AdminOperation.objects.exists() and sim.get_json("/weight_version")["weight_version"] != 1
+    assert c.get(r["Location"]).json()["summary"] == "update_weights: queued"
+
+    assert run_admin_action_task(action.pk) == "succeeded"
+    got = c.get(r["Location"]).json()
+    assert got["state"] == "succeeded" and got["result"]["version"] == "1" and got["summary"] == "weights updated to version 1"
+    assert sim.get_json("/weight_version")["weight_version"] == 1
+    assert AdminOperation.objects.filter(trace_id=action.trace_id).count() == 3
+    assert run_admin_action_task(action.pk) is None  # delivered again: not run again
+    assert AdminOperation.objects.filter(trace_id=action.trace_id).count() == 3 and WeightVersion.objects.count() == 1
+
+    # a run whose worker died (left "running") is reported failed when the broker delivers it again
+    lost = AdminAction.objects.create(endpoint=ep, trace_id="lost", kind="pause", params={"mode": "keep"},
+                                      state="running", started_at=timezone.now())
+    assert run_admin_action_task(lost.pk) is None
+    lost.refresh_from_db()
+    assert lost.state == "failed" and "worker running this action was lost" in lost.error
+    assert not AdminOperation.objects.filter(trace_id="lost").exists()
+    # another user's endpoint and action: 404
+    other = APIClient()
+    other.force_authenticate(user=type(user).objects.create_user("mallory", password="x"))
+    assert other.get(r["Location"]).status_code == 404
+    assert other.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/x"}, format="json").status_code == 404
+
+
 def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simulator_factory, capsys, eager_tasks):
     a, b = simulator_factory(), simulator_factory()
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url], name="two-sims")
-    r = api.post(f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "abort"}, format="json").json()
+    r = act(api, f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "abort"}, state="succeeded")
     assert r["ok"] and r["params"] == {"mode": "abort"}
     assert a.get_json("/is_paused") == {"is_paused": True, "mode": "abort"}
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/resume/", {}, format="json").json()["ok"]
+    assert act(api, f"/api/endpoints/{ep.pk}/admin/resume/")["ok"]
     assert b.get_json("/is_paused")["is_paused"] is False
-    r = api.post(f"/api/endpoints/{ep.pk}/admin/prewarm/", {"count": 7}, format="json").json()
+    r = act(api, f"/api/endpoints/{ep.pk}/admin/prewarm/", {"count": 7})
     assert r["sent"] == 7 and r["succeeded"] == 7
     # the older prewarm action (run in a worker) honours its count too
     assert api.post(f"/api/endpoints/{ep.pk}/prewarm/", {"count": 3}, format="json").status_code == 202
     ep.refresh_from_db()
     assert ep.last_prewarm["sent"] == 3
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/sleep/", {"level": 2}, format="json").json()["ok"]
+    assert act(api, f"/api/endpoints/{ep.pk}/admin/sleep/", {"level": 2})["ok"]
     assert a.get_json("/is_sleeping")["is_sleeping"] is True
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/wake_up/", {}, format="json").json()["ok"]
+    assert act(api, f"/api/endpoints/{ep.pk}/admin/wake_up/")["ok"]
     assert api.post(f"/api/endpoints/{ep.pk}/admin/teleport/", {}, format="json").status_code == 404
     assert api.post(f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "x"}, format="json").status_code == 400
+    assert api.post(f"/api/endpoints/{ep.pk}/admin/pause/", "keep", format="json").status_code == 400
+    # one action per request, each with its requests to both replicas under its trace id
+    assert AdminAction.objects.filter(endpoint=ep).count() == 5
+    for action in AdminAction.objects.filter(endpoint=ep):
+        assert AdminOperation.objects.filter(trace_id=action.trace_id).count() == (7 if action.kind == "prewarm" else 2)
 
     call_command("endpoint_admin", "two-sims", "update_weights", "--checkpoint-id", "ck-9", "--weight-version", "9")
     assert "ok, version 9" in capsys.readouterr().out
@@ -160,7 +222,8 @@ def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simula
     assert set(AdminOperation.objects.filter(endpoint=ep).values_list("source", flat=True)) == {"api", "command"}
 
 
-def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, user, sim_endpoint, simulator, settings):
+def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, user, sim_endpoint, simulator, settings,
+                                                                     eager_tasks):
     ep = sim_endpoint(simulator.url, owner=user)
     client.force_login(user)
     r = client.post(f"/endpoints/{ep.pk}/admin/update_weights/", {"checkpoint_id": "ck-1", "version": "4"})
@@ -168,6 +231,7 @@ def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, us
     trace = r["Location"].split("?trace=")[1]
     page = client.get(r["Location"]).content.decode()
     assert "weights updated to version 4" in page and page.count(f'title="{trace}"') == 3
+    assert page.count('data-state="succeeded"') == 1  # the action list
     assert 'id="current-version">4<' in page
     client.post(f"/endpoints/{ep.pk}/admin/reset_prefix_cache/")
     page = client.get(f"/endpoints/{ep.pk}/").content.decode()
@@ -206,8 +270,7 @@ def test_a_job_spanning_two_weight_versions(api, client, user, math_dataset, sim
     deadline = time.monotonic() + 60
     while Rollout.objects.filter(job=job).count() < 30 and time.monotonic() < deadline:
         time.sleep(0.05)
-    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/step-1"}, format="json")
-    assert r.status_code == 200, r.content
+    assert act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/step-1"})["applied"]
     t.join(120)
     job = box["job"]
     assert job.state == JobState.COMPLETED and job.completed_count == 120  # nothing lost across the update

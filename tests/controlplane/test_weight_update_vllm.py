@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 from django.db.models import Count
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints.models import AdminOperation, Endpoint, WeightVersion
@@ -80,11 +80,20 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
     while Rollout.objects.filter(job=job).count() < 60 and time.monotonic() < deadline:
         time.sleep(0.05)
     api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
-    r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": str(new_weights), "checkpoint_id": "step-1"},
-                 format="json")
-    assert r.status_code == 200, r.content
-    out = r.json()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
+    # the route queues the update (202) and a worker runs it: here Celery runs inline, as a worker would
+    from controlplane.celery import app
+
+    before_eager, app.conf.task_always_eager = app.conf.task_always_eager, True
+    try:
+        r = api.post(f"/api/endpoints/{ep.pk}/weights/", {"path": str(new_weights), "checkpoint_id": "step-1"},
+                     format="json")
+    finally:
+        app.conf.task_always_eager = before_eager
+    assert r.status_code == 202, r.content
+    action = api.get(r["Location"]).json()
+    assert action["state"] == "succeeded", action
+    out = action["result"]
     assert out["server"] == "vllm" and out["applied"] and out["version"] == "1"
     assert [o["kind"] for o in out["operations"]] == ["pause", "update_weights", "set_weight_version", "resume"]
     assert all(o["rpc_ms"] is not None and o["wall_ms"] >= o["rpc_ms"] for o in out["operations"])

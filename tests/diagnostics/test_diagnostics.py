@@ -9,7 +9,7 @@ import json
 import pytest
 from django.core.management import call_command
 from django.template.loader import render_to_string
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 from rest_framework.test import APIClient
 
 from controlplane.diagnostics import services
@@ -91,7 +91,7 @@ def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_fac
     job = run_job_inline(job)
     client = APIClient()
     assert client.get(f"/api/jobs/{job.pk}/diagnosis/").status_code == 401
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + api_token(user))
     r = client.get(f"/api/jobs/{job.pk}/diagnosis/")
     assert r.status_code == 200, r.content
     body = r.json()
@@ -100,7 +100,7 @@ def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_fac
     # another user's job is hidden
     other = django_user_model.objects.create_user(username="other", password="pw")
     c2 = APIClient()
-    c2.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=other).key)
+    c2.credentials(HTTP_AUTHORIZATION="Token " + api_token(other))
     assert c2.get(f"/api/jobs/{job.pk}/diagnosis/").status_code == 404
     assert client.get("/api/jobs/999999/diagnosis/").status_code == 404
 
@@ -137,7 +137,7 @@ def test_sweep_service_command_and_api(settings, user, math_dataset, sim_endpoin
     assert body["state"] == "completed" and len(body["points"]) == 2
 
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + api_token(user))
     r = client.get(f"/api/sweeps/{sweep.pk}/")
     assert r.status_code == 200 and r.json()["recommended"] == sweep.recommended
     assert client.post("/api/sweeps/", {"endpoint": ep.pk}, format="json").status_code == 400
@@ -157,7 +157,7 @@ def test_sweep_api_post_dispatches_the_celery_task(settings, user, math_dataset,
     ds = math_dataset(8, owner=user)
     ep = sim_endpoint(sim.url, owner=user)
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.create(user=user).key)
+    client.credentials(HTTP_AUTHORIZATION="Token " + api_token(user))
     r = client.post("/api/sweeps/", {"endpoint": ep.pk, "dataset": ds.pk, "sample_size": 8, "levels": [1, 2]},
                     format="json")
     assert r.status_code == 201, r.content

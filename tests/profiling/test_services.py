@@ -240,13 +240,13 @@ def test_a_job_created_with_profiling_enabled_opens_one_session(job):
 
 def test_rolloutctl_profile_on_show_off(user, job, capsys):
     """rolloutctl over the API (DRF's in-process requests adapter in place of the network)."""
-    from rest_framework.authtoken.models import Token
+    from tests.factories import api_token
     from rest_framework.test import RequestsClient
 
     from rolloutctl.cli import build_parser, do_profile
     from rolloutctl.client import Client
 
-    token = Token.objects.create(user=user).key
+    token = api_token(user)
     client = Client("http://testserver", token, session=RequestsClient())
     client.session.headers["Authorization"] = f"Token {token}"
     args = build_parser().parse_args(["profile", str(job.pk), "--seconds", "45", "--clock", "cpu", "--no-wait"])

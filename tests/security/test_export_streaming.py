@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 from django.core.handlers.asgi import ASGIHandler
-from rest_framework.authtoken.models import Token
+from tests.factories import api_token
 
 from controlplane.jobs.models import CollectionJob, Rollout
 
@@ -26,7 +26,7 @@ def big_job(transactional_db, django_user_model):
     Rollout.objects.bulk_create([Rollout(job=job, task_index=i, rollout_index=0, status="ok", reward=1.0,
                                          data={"_ng_task_index": i, "_ng_rollout_index": 0, "text": pad})
                                  for i in range(ROWS)], batch_size=1000)
-    return job, Token.objects.create(user=user).key
+    return job, api_token(user)
 
 
 async def test_export_is_streamed_under_asgi(big_job, monkeypatch):

@@ -115,3 +115,45 @@ def test_fresh_connection_per_op(simulator):
         return c._session.connector
     conn = _run(go)
     assert conn.force_close  # no keep-alive: each operation opens its own connection
+
+
+def test_redirects_are_not_followed_and_answers_are_capped():
+    """A 307 is the answer (the client never calls where it points); an answer over the cap is not kept."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from workers.admin.client import MAX_BODY_BYTES
+
+    hits = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _answer(self):
+            hits.append(self.path)
+            if self.path.startswith("/pause"):
+                self.send_response(307)
+                self.send_header("Location", "/internal-page")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:  # /reset_prefix_cache: a huge answer
+                body = b"x" * (MAX_BODY_BYTES + 10)
+                self.send_response(500)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        (r,) = _run(lambda c: ops.pause(c, [url], "keep"), max_retries=0)
+        assert not r.ok and r.status == 307 and r.error.startswith("HTTP 307")
+        (big,) = _run(lambda c: ops.simple(c, [url], "reset_prefix_cache"), max_retries=0)
+        assert not big.ok and big.status == 500 and "over 1048576 bytes" in big.error and big.body is None
+        assert "/internal-page" not in hits and len(hits) == 2
+    finally:
+        server.shutdown()

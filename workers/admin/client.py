@@ -35,6 +35,7 @@ DEFAULT_TIMEOUTS_S = {
     "update_weights": 600.0, "sleep": 120.0, "wake_up": 120.0, "collective_rpc": 600.0,
 }
 DEFAULT_TIMEOUT_S = 30.0
+MAX_BODY_BYTES = 1 << 20  # an admin answer is small JSON; a larger one is refused, not buffered
 _SERVER_TIMING = re.compile(r"(?:^|,)\s*rpc\s*;(?:[^,]*;)?\s*dur=([0-9.]+)", re.I)
 
 
@@ -162,11 +163,18 @@ class AdminClient:
         res.timed_out = False
         tmo = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
         try:
+            # No redirects: a 3xx is the server's answer (following one would send an admin call, and read
+            # back a page, wherever the server points: issue 12's SSRF). The body is read up to a cap.
             async with self._session.request(method, url, params=params, json=json_body, headers=headers,
-                                             timeout=tmo, trace_request_ctx=timing) as resp:
+                                             timeout=tmo, trace_request_ctx=timing, allow_redirects=False) as resp:
                 t_headers = time.perf_counter()
-                raw = await resp.read()
+                raw = await _read_capped(resp, MAX_BODY_BYTES)
                 t_end = time.perf_counter()
+                if len(raw) > MAX_BODY_BYTES:
+                    res.status, res.ok, res.body = resp.status, False, None
+                    res.wall_ms = round((t_end - t0) * 1000, 3)
+                    res.error = f"HTTP {resp.status}: answer over {MAX_BODY_BYTES} bytes (not read)"
+                    return False
                 res.status = resp.status
                 server_ms = parse_server_timing(resp.headers.get("Server-Timing"))
                 if server_ms is not None:
@@ -201,6 +209,17 @@ class AdminClient:
             res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
             res.error = _transport_error(exc)
             return True
+
+
+async def _read_capped(resp, cap: int) -> bytes:
+    """The body, or its first cap + 1 bytes when it is longer (the caller refuses it)."""
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            break
+    return b"".join(chunks)
 
 
 def _error_message(body) -> str:

@@ -1,0 +1,31 @@
+"""Authentication by API token (django-rest-knox: tokens stored hashed, with an expiry). Kept apart from
+the views (controlplane.api.auth): DRF imports it from settings while its own views module loads."""
+from hmac import compare_digest
+
+from django.utils import timezone
+from knox.auth import TokenAuthentication as KnoxTokenAuthentication
+from knox.crypto import hash_token
+from rest_framework.exceptions import AuthenticationFailed
+
+EXPIRED_MESSAGE = "Token expired: get a new one with POST /api/auth/token/ (username, password)."
+
+
+class ExpiringTokenAuthentication(KnoxTokenAuthentication):
+    """knox's hashed-token authentication; a token that matched but had expired (knox deletes it and says
+    only "Invalid token.") answers a 401 that says so."""
+
+    def authenticate_credentials(self, token: bytes):
+        self._presented = token.decode("utf-8", "replace")
+        self._expired = False
+        try:
+            return super().authenticate_credentials(token)
+        except AuthenticationFailed:
+            if self._expired:
+                raise AuthenticationFailed(EXPIRED_MESSAGE, code="token_expired") from None
+            raise
+
+    def _cleanup_token(self, auth_token) -> bool:
+        expired = auth_token.expiry is not None and auth_token.expiry < timezone.now()
+        if expired and compare_digest(hash_token(self._presented), auth_token.digest):
+            self._expired = True
+        return super()._cleanup_token(auth_token)
