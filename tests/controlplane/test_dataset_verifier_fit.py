@@ -96,7 +96,7 @@ def test_api_upload_for_a_verifier(tmp_path):
 
     user = make_user("fit-api", token=True)
     api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Token {user.auth_token.key}")
+    api.credentials(HTTP_AUTHORIZATION=f"Token {user.api_token}")
     f = io.BytesIO(jsonl_bytes(ROWS))
     f.name = "mcq.jsonl"
     r = api.post("/api/datasets/", {"file": f, "verifier": "mcqa"}, format="multipart")
