@@ -66,6 +66,36 @@ def test_merge_scales_and_sums_children():
     assert r.children == [["m.py", 9, "g", 22, pytest.approx(2.2)]]
 
 
+def test_fast_stats_reader_gives_what_get_func_stats_gives():
+    """The pool reads its stats through yappi's C enumerator (cheaper, inside the budget); same rows, same
+    children, same figures as the public API, including code compiled per call (one row per name)."""
+    import yappi
+
+    yappi.stop()
+    yappi.clear_stats()
+    yappi.set_clock_type("cpu")
+    yappi.start(builtins=True, profile_threads=False)
+    try:
+        _verify_batch(_items(15))
+        for i in range(3):
+            exec(compile(f"x = {i} * 2", "<string>", "exec"), {})  # three code objects, one (module, line, name)
+    finally:
+        yappi.stop()
+    try:
+        fast = {r.key: r for r in core.read_yappi_rows()}
+        slow = {r.key: r for r in core.rows_from_yappi(yappi.get_func_stats())}
+    finally:
+        yappi.clear_stats()
+    assert fast.keys() == slow.keys() and len(fast) > 50
+    for k, s in slow.items():
+        f = fast[k]
+        assert (f.ncall, f.tsub, f.ttot) == (s.ncall, pytest.approx(s.tsub), pytest.approx(s.ttot)), k
+        assert sorted(tuple(c[:4]) for c in f.children) == sorted(tuple(c[:4]) for c in s.children), k
+    assert fast[("<string>", 1, "<module>")].ncall >= 3  # ours, and sympy's own exec'd strings
+    verify = next(r for r in fast.values() if r.name == "MathVerifier.verify")
+    assert verify.ncall == 15 and verify.children
+
+
 async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     """A ProfilingControl turns profiling on after a moment and off again; the run never stops, and the
     snapshots name the verifier's functions with the verifications they stand for."""

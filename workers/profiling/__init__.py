@@ -4,7 +4,8 @@ Two scopes:
 * "verify" (default): the verifier processes of the engine's pool. Each pool process profiles some of the
   verifications it runs (yappi started and stopped around one verification), measures how much longer a
   profiled verification takes than an unprofiled one, and profiles the next one only while that extra time
-  is within a budget (default 2 %) of all its verification time, so the throughput cost holds to the budget.
+  (and the stats it reads once per window) is within half of a budget (default 2 %) of all its verification
+  time, so the throughput cost holds to the budget.
   Figures are scaled to all verifications (x verifications / profiled), so ncall, tsub and ttot estimate
   the whole window; tavg is not scaled (it is measured under the profiler: inflated by its overhead).
 * "worker": the whole worker process (every thread: event loop, sink, control) with yappi running
