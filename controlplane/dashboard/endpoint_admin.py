@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from controlplane.access import visible_endpoints
 from controlplane.endpoints import admin_ops
 from controlplane.endpoints.models import AdminOperation, WeightVersion
+from controlplane.endpoints.replica_load import replica_load
 
 
 @login_required
@@ -29,6 +30,7 @@ def endpoint_detail(request, endpoint_id):
         "threshold": admin_ops.queue_alert_ms(),
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
         "current_version": admin_ops.current_version(ep),
+        "load": replica_load(ep),
     })
 
 

@@ -77,7 +77,7 @@ class ReplicaSet:
         self._wake: asyncio.Event | None = None
         now = time.monotonic()
         for r in self.replicas:
-            r.next_probe = now + health_interval_s
+            r.next_probe = now  # probed as the run starts
 
     # ---------------------------------------------------------------- routing
     def pick(self, key: int | None = None, exclude: set[int] | frozenset = frozenset()) -> int:
@@ -162,6 +162,9 @@ class ReplicaSet:
             raise
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             return False, f"{self.health_path} did not answer within {self.probe_timeout_s:g}s"
+        except aiohttp.ClientConnectorError as exc:
+            os_error = getattr(exc, "os_error", None)
+            return False, f"cannot connect: {getattr(os_error, 'strerror', None) or exc}"[:300]
         except (aiohttp.ClientError, OSError) as exc:
             return False, f"{self.health_path}: {type(exc).__name__}: {exc}"[:300]
 
