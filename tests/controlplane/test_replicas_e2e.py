@@ -17,7 +17,6 @@ import uuid
 
 import pytest
 from django.db.models import Count
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.jobs import services
@@ -90,7 +89,7 @@ def _final_replica_tables(job):
 
 def _api(user):
     client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION="Token " + Token.objects.get_or_create(user=user)[0].key)
+    client.force_login(user)  # session auth (the API takes it as well as tokens)
     return client
 
 
