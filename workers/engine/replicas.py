@@ -14,7 +14,8 @@
   APIs) with exponential backoff bounded by `probe_max_s`; the first probe that answers 200 puts it
   back. Replicas in rotation are probed every `health_interval_s` too, so a replica that hangs (accepts
   connections, never answers) leaves rotation within about `health_interval_s + probe_timeout_s` even
-  before its requests time out. When every replica is out, requests still go to the least loaded one
+  before its requests time out; the attempts already in flight on it are cut then and retried on another
+  replica (a hung server would otherwise hold them for the whole request timeout). When every replica is out, requests still go to the least loaded one
   (a request that succeeds puts its replica back at once): the job never waits on probes alone.
 
 The run that owns a ReplicaSet calls `pick()` before an attempt, `begin()` / `end()` around it and
@@ -32,6 +33,12 @@ import aiohttp
 
 OVERLOAD_FACTOR = 2.0
 OVERLOAD_SLACK = 8
+HUNG_SUFFIX = " (hung)"
+CUT_MESSAGE = "replica cut"
+
+
+class ReplicaCut(Exception):
+    """An attempt cut because its replica stopped answering (a health probe timed out)."""
 
 
 @dataclass
@@ -50,11 +57,13 @@ class Replica:
     probes: int = 0
     probe_backoff_s: float = 0.0
     next_probe: float = 0.0  # monotonic
+    attempts: set = field(default_factory=set)  # asyncio tasks of the attempts in flight (cut when it hangs)
+    cut: int = 0  # attempts cut because the replica stopped answering
 
     def as_dict(self) -> dict:
         return {"url": self.url, "state": "in" if self.in_rotation else "out", "since": round(self.since, 3),
                 "reason": self.reason, "in_flight": self.in_flight, "requests": self.requests, "ok": self.ok,
-                "errors": self.errors, "times_out": self.times_out, "last_error": self.last_error[:200]}
+                "errors": self.errors, "times_out": self.times_out, "cut": self.cut, "last_error": self.last_error[:200]}
 
 
 class ReplicaSet:
@@ -146,6 +155,29 @@ class ReplicaSet:
         r.consecutive_faults = 0
         r.next_probe = time.monotonic() + self.health_interval_s
 
+    def _cut_attempts(self, r: Replica) -> None:
+        """Cancel the attempts in flight on a hung replica; the run retries them on another (see track())."""
+        for task in list(r.attempts):
+            if not task.done():
+                r.cut += 1
+                task.cancel(CUT_MESSAGE)
+
+    async def track(self, idx: int, coro):
+        """Await one attempt on replica `idx` as its own task, so that a probe finding the replica hung can
+        cut it (raises ReplicaCut then) without cancelling the caller."""
+        r = self.replicas[idx]
+        task = asyncio.ensure_future(coro)
+        r.attempts.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and not (me is not None and me.cancelling()):
+                raise ReplicaCut(f"{r.url} stopped answering (its health probe timed out): attempt cut") from None
+            raise
+        finally:
+            r.attempts.discard(task)
+
     def snapshot(self) -> list[dict]:
         return [r.as_dict() for r in self.replicas]
 
@@ -161,7 +193,7 @@ class ReplicaSet:
         except asyncio.CancelledError:
             raise
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            return False, f"{self.health_path} did not answer within {self.probe_timeout_s:g}s"
+            return False, f"{self.health_path} did not answer within {self.probe_timeout_s:g}s{HUNG_SUFFIX}"
         except aiohttp.ClientConnectorError as exc:
             os_error = getattr(exc, "os_error", None)
             return False, f"cannot connect: {getattr(os_error, 'strerror', None) or exc}"[:300]
@@ -177,6 +209,8 @@ class ReplicaSet:
             else:
                 r.last_error = why
                 self._take_out(r, "health probe failed: " + why)
+                if why.endswith(HUNG_SUFFIX):  # it accepts connections and answers nothing: its requests never end
+                    self._cut_attempts(r)
         elif ok:
             self._put_back(r, "health probe answered")
         else:

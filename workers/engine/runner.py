@@ -52,7 +52,7 @@ from workers.verifiers.execution import VerifyExecutor
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
 from .materialize import merge_overrides
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
-from .replicas import ReplicaSet
+from .replicas import ReplicaCut, ReplicaSet
 from .types import (
     CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
 )
@@ -441,7 +441,13 @@ class _Run:
             replicas.begin(idx)
             switch = False
             try:
-                response = await self._attempt(url, body, result)
+                try:
+                    if replicas.n > 1 and self.ROUTES_REPLICAS:
+                        response = await replicas.track(idx, self._attempt(url, body, result))
+                    else:
+                        response = await self._attempt(url, body, result)
+                except ReplicaCut as cut:
+                    raise _AttemptError(FailureClass.TIMEOUT, str(cut), True) from None
                 replicas.succeeded(idx)
                 return response, False
             except _AttemptError as err:
