@@ -20,7 +20,7 @@ from django.db.models import Count
 from rest_framework.test import APIClient
 
 from controlplane.jobs import services
-from controlplane.jobs.models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
+from controlplane.jobs.models import JobChunk, JobMetricSample, JobState, Rollout
 from tests.controlplane.test_jobs_e2e import Proc, _database_url, _redis_url
 from tests.fixtures_simulator import start_simulator
 
