@@ -228,6 +228,14 @@ JOBS_MAX_ACTIVE_PER_USER = env.int("JOBS_MAX_ACTIVE_PER_USER", default=20)
 JOBS_MAX_PARALLELISM_PER_USER = env.int("JOBS_MAX_PARALLELISM_PER_USER", default=8192)
 # A model response larger than this is a failed attempt (bad_response), never read whole.
 ENGINE_MAX_RESPONSE_BYTES = env.int("ENGINE_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
+# Several replicas (workers.engine.replicas): each run probes its replicas (GET /health; /v1/models for hosted
+# APIs) every REPLICA_HEALTH_INTERVAL_S; a probe not answered within REPLICA_PROBE_TIMEOUT_S fails (a hung
+# replica); a replica out of rotation is probed with backoff up to REPLICA_PROBE_MAX_S and put back when it answers.
+REPLICA_HEALTH_INTERVAL_S = env.float("REPLICA_HEALTH_INTERVAL_S", default=5.0)
+REPLICA_PROBE_TIMEOUT_S = env.float("REPLICA_PROBE_TIMEOUT_S", default=2.0)
+REPLICA_PROBE_MAX_S = env.float("REPLICA_PROBE_MAX_S", default=10.0)
+# The endpoint page's per-replica load sums the latest progress tick of every run seen in this window.
+REPLICA_LOAD_WINDOW_S = env.float("REPLICA_LOAD_WINDOW_S", default=30.0)
 
 # --- Cache: DRF throttles and django-axes counters, dashboard figures. Local memory on a laptop (one web
 # process); production settings put it on Redis so several web processes share one set of limits.

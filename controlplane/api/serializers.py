@@ -184,7 +184,8 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
         model = Endpoint
         fields = ["id", "name", "kind", "base_url", "replica_urls", "model_name", "api_flavor", "api_key",
                   "has_api_key", "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit",
-                  "tpm_limit", "last_health", "last_health_at", "last_prewarm", "owner", "created_at"]
+                  "tpm_limit", "replica_affinity", "last_health", "last_health_at", "last_prewarm", "owner",
+                  "created_at"]
         read_only_fields = ["id", "has_api_key", "last_health", "last_health_at", "last_prewarm", "owner",
                             "created_at"]
 
@@ -203,6 +204,32 @@ class EndpointQueuedSerializer(serializers.Serializer):
     last_health = serializers.JSONField()
     last_health_at = serializers.DateTimeField(allow_null=True)
     last_prewarm = serializers.JSONField()
+
+
+class ReplicaLoadRowSerializer(serializers.Serializer):
+    url = serializers.CharField()
+    state = serializers.ChoiceField(choices=["in", "out", "idle"],
+                                    help_text="in / out of rotation in the runs that use it; idle: no run in the window")
+    since = serializers.DateTimeField(allow_null=True, help_text="when it entered this state")
+    reason = serializers.CharField(help_text="why it is out of rotation")
+    runs = serializers.IntegerField(help_text="runs (chunks on workers) that reported it in the window")
+    in_flight = serializers.IntegerField()
+    requests = serializers.IntegerField(help_text="attempts sent, summed over those runs")
+    ok = serializers.IntegerField()
+    errors = serializers.IntegerField()
+    error_rate = serializers.FloatField(allow_null=True)
+    share = serializers.FloatField(allow_null=True, help_text="its share of the requests")
+    times_out = serializers.IntegerField(help_text="times taken out of rotation")
+    last_error = serializers.CharField()
+    health = serializers.JSONField(allow_null=True, help_text="the last health check of this replica")
+
+
+class ReplicaLoadSerializer(serializers.Serializer):
+    window_s = serializers.FloatField()
+    runs = serializers.IntegerField()
+    in_rotation = serializers.IntegerField()
+    checked_at = serializers.CharField(allow_null=True)
+    replicas = ReplicaLoadRowSerializer(many=True)
 
 
 class EndpointPrewarmRequestSerializer(StrictJSONTypes, serializers.Serializer):

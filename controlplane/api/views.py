@@ -20,6 +20,7 @@ from rest_framework.views import APIView
 
 from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
 from controlplane.datasets import services as dataset_services
+from controlplane.endpoints.replica_load import replica_load
 from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
 from controlplane.jobs import services as job_services
 from controlplane.jobs.export import iter_export_lines, streamed_for
@@ -191,6 +192,13 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
         return Response({"endpoint": endpoint.pk, "queued": kind, "last_health": endpoint.last_health,
                          "last_health_at": endpoint.last_health_at, "last_prewarm": endpoint.last_prewarm},
                         status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(summary="Per-replica load: in flight, requests, errors, in or out of rotation and since when "
+                           "(summed over the runs that used the endpoint in the last REPLICA_LOAD_WINDOW_S)",
+                   responses={200: s.ReplicaLoadSerializer, **errors(*READ_ERRORS)})
+    @action(detail=True, methods=["get"])
+    def replicas(self, request, pk=None):
+        return Response(replica_load(self.get_object()))
 
     @extend_schema(summary="Check the endpoint's health (in a worker; the result lands in last_health)",
                    request=None, responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})

@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from controlplane.access import visible_endpoints
 from controlplane.endpoints import admin_ops
 from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
+from controlplane.endpoints.replica_load import replica_load
 
 
 @login_required
@@ -30,6 +31,7 @@ def endpoint_detail(request, endpoint_id):
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
         "current_version": admin_ops.current_version(ep),
         "actions": [(a, admin_ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
+        "load": replica_load(ep),
     })
 
 

@@ -23,6 +23,9 @@ class Endpoint(models.Model):
     kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.VLLM)
     base_url = models.URLField(max_length=500, help_text="e.g. http://127.0.0.1:8000 (the /v1 prefix is added)")
     replica_urls = models.JSONField(default=list, blank=True, help_text="Extra replica base URLs; requests are spread over all")
+    replica_affinity = models.BooleanField(
+        default=True, help_text="Send the repeats of one task to one replica (its prefix cache serves the shared prompt); "
+                                "a replica out of rotation or overloaded is left for the least loaded one")
     model_name = models.CharField(max_length=300)
     api_flavor = models.CharField(max_length=30, choices=Flavor.choices, default=Flavor.CHAT)
     api_key = models.CharField(max_length=500, blank=True)  # write-only everywhere it is exposed

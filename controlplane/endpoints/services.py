@@ -49,6 +49,12 @@ def endpoint_spec(endpoint) -> EndpointSpec:
         rpm_limit=endpoint.rpm_limit,
         tpm_limit=endpoint.tpm_limit,
         max_response_bytes=settings.ENGINE_MAX_RESPONSE_BYTES,
+        replica_affinity=getattr(endpoint, "replica_affinity", True),
+        # hosted APIs have no /health: their model list says whether a replica answers
+        health_path="/v1/models" if endpoint.kind == "openai" else "/health",
+        probe_timeout_s=min(float(endpoint.connect_timeout_s), settings.REPLICA_PROBE_TIMEOUT_S),
+        health_interval_s=settings.REPLICA_HEALTH_INTERVAL_S,
+        probe_max_s=settings.REPLICA_PROBE_MAX_S,
     )
 
 

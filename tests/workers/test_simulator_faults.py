@@ -176,3 +176,22 @@ async def test_unhealthy(simulator):
     async with aiohttp.ClientSession() as s:
         async with s.get(simulator.url + "/health") as r:
             assert r.status == 200
+
+
+async def test_hang_holds_every_route_but_admin_config_until_cleared(simulator):
+    simulator.configure(hang=True)
+    short = aiohttp.ClientTimeout(total=0.5)
+    async with aiohttp.ClientSession() as s:
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/health"), ("GET", "/v1/models")):
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.request(method, simulator.url + path, json=BODY, timeout=short) as r:
+                    await r.read()
+        held = asyncio.ensure_future(post(s, simulator, timeout=aiohttp.ClientTimeout(total=10)))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # hanging (the connection was accepted)
+        assert simulator.config()["hang"] is True  # /admin/config still answers
+        simulator.configure(hang=False)
+        async with await held as r:  # a request caught in the hang carries on once it is cleared
+            assert r.status == 200
+        async with s.get(simulator.url + "/health") as r:
+            assert r.status == 200

@@ -52,6 +52,7 @@ from workers.verifiers.execution import VerifyExecutor
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
 from .materialize import merge_overrides
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
+from .replicas import ReplicaCut, ReplicaSet
 from .types import (
     CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
 )
@@ -126,6 +127,8 @@ def _error_reason(exc: BaseException) -> str:
 # -------------------------------------------------------------------------------------------- the run
 
 class _Run:
+    ROUTES_REPLICAS = True  # requests spread over base_urls by the ReplicaSet (NeMo Gym agent runs route their own)
+
     def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None, verify_pool: VerifyPool | None = None):
         if not spec.endpoint.base_urls:
             raise ValueError("EndpointSpec.base_urls is empty")
@@ -142,9 +145,12 @@ class _Run:
 
         # "/v1/..." is appended; an OpenAI-style base URL that already ends in /v1 is accepted as well
         self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in self.ep.base_urls]
-        self.url_inflight = [0] * len(self.base_urls)
-        self.rr = 0
         self.headers = {"Authorization": f"Bearer {self.ep.api_key}"} if self.ep.api_key else {}
+        self.replicas = ReplicaSet(
+            self.base_urls, affinity=getattr(self.ep, "replica_affinity", True), headers=self.headers,
+            health_path=getattr(self.ep, "health_path", "/health"), fail_threshold=getattr(self.ep, "replica_fail_threshold", 3),
+            health_interval_s=getattr(self.ep, "health_interval_s", 5.0), probe_timeout_s=getattr(self.ep, "probe_timeout_s", 2.0),
+            probe_max_s=getattr(self.ep, "probe_max_s", 10.0))
         read_timeout = getattr(self.ep, "read_timeout_s", None)
         if self.spec.stream:
             self.timeout = aiohttp.ClientTimeout(total=self.ep.request_timeout_s, sock_connect=self.ep.connect_timeout_s,
@@ -335,18 +341,6 @@ class _Run:
                 task.cancel()
 
     # ---------------------------------------------------------------- one task
-    def _pick_url(self) -> int:
-        n = len(self.base_urls)
-        if n == 1:
-            return 0
-        start = self.rr = (self.rr + 1) % n
-        best = start
-        for k in range(n):
-            i = (start + k) % n
-            if self.url_inflight[i] < self.url_inflight[best]:
-                best = i
-        return best
-
     def _estimate_tokens(self, body: dict) -> float:
         prompt = body.get("messages") or body.get("prompt") or body.get("input") or ""
         chars = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt))
@@ -429,20 +423,41 @@ class _Run:
 
     async def _request_with_retries(self, path: str, body: dict, result: RolloutResult) -> tuple[dict | None, bool]:
         """(response, False) on success; (None, unreachable) once the retry budget is spent or the error is
-        not retryable, with result.failure_class / error / attempts filled in."""
+        not retryable, with result.failure_class / error / attempts filled in.
+
+        Several replicas: each attempt goes where `ReplicaSet.pick` says (affinity by task index, else least
+        outstanding); an attempt that fails with a replica fault (connection, timeout, 5xx) is retried at once
+        on another replica in rotation when there is one, else after the usual backoff."""
         ep = self.ep
+        replicas = self.replicas
         attempt = 0
+        tried: set[int] = set()  # replicas that failed this request with a replica fault
         while True:
-            idx = self._pick_url()
+            if len(tried) >= replicas.n:
+                tried.clear()
+            idx = replicas.pick(result.task_index, tried)
             url = self.base_urls[idx] + path
             result.attempts = attempt + 1
-            self.url_inflight[idx] += 1
+            if replicas.n > 1:
+                result.replica = self.base_urls[idx]
+            replicas.begin(idx)
+            switch = False
             try:
-                return await self._attempt(url, body, result), False
+                try:
+                    if replicas.n > 1 and self.ROUTES_REPLICAS:
+                        response = await replicas.track(idx, self._attempt(url, body, result))
+                    else:
+                        response = await self._attempt(url, body, result)
+                except ReplicaCut as cut:
+                    raise _AttemptError(FailureClass.TIMEOUT, str(cut), True) from None
+                replicas.succeeded(idx)
+                return response, False
             except _AttemptError as err:
                 self.tick_errors[err.failure_class] += 1
+                replica_fault = err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT, FailureClass.HTTP_5XX)
                 if err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT):
                     self.tick_replica_errors[self.base_urls[idx]] += 1  # names a dead or hung replica
+                replicas.failed(idx, str(err), replica_fault, err.unreachable)
                 if not err.retryable or attempt >= ep.max_retries:
                     result.failure_class = err.failure_class
                     retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
@@ -452,10 +467,17 @@ class _Run:
                         result.error = f"{err}{retries}"
                     return None, err.unreachable
                 retry_after = err.retry_after
+                if replica_fault and replicas.n > 1:
+                    tried.add(idx)
+                    switch = replicas.in_rotation(tried) > 0  # a live replica is left: go there now
             finally:
-                self.url_inflight[idx] -= 1
-            delay = backoff_delay(attempt, ep.backoff_base_s, ep.backoff_max_s, retry_after)
+                replicas.end(idx)
             attempt += 1
+            if switch:
+                if self.stopping:
+                    raise _Abandon()
+                continue
+            delay = backoff_delay(attempt - 1, ep.backoff_base_s, ep.backoff_max_s, retry_after)
             try:
                 await asyncio.wait_for(self.stop_event.wait(), delay)
             except asyncio.TimeoutError:
@@ -596,6 +618,8 @@ class _Run:
         if len(self.base_urls) > 1:
             tick.extra["replica_errors"] = dict(self.tick_replica_errors)
             self.tick_replica_errors = Counter()
+            if self.ROUTES_REPLICAS:  # per-replica load, errors and rotation state (cumulative for this run)
+                tick.extra["replicas"] = self.replicas.snapshot()
         self.tick_ok = self.tick_finished = self.tick_tokens = 0
         self.tick_errors = Counter()
         self.max_in_flight_seen = self.in_flight
@@ -645,6 +669,8 @@ class _Run:
                                              headers={"User-Agent": "rollout-engine"}) as session:
                 self.session = session
                 aux.append(self.loop.create_task(self._progress_loop()))
+                if self.ROUTES_REPLICAS and self.replicas.n > 1:
+                    aux.append(self.loop.create_task(self.replicas.probe_loop()))
                 if self.control is not None:
                     aux.append(self.loop.create_task(self._control_loop()))
                 try:

@@ -41,6 +41,13 @@ class EndpointSpec:
     tpm_limit: int | None = None
     read_timeout_s: float | None = None  # longest silence between streamed chunks; default request_timeout_s
     max_response_bytes: int = 16 * 1024 * 1024  # a larger answer is a bad_response, never read whole
+    # several replicas (workers.engine.replicas): routing and the circuit breaker
+    replica_affinity: bool = True  # the repeats of one task go to one replica (prefix-cache reuse)
+    health_path: str = "/health"  # probed to take a replica out of rotation and put it back ("/v1/models" for hosted APIs)
+    replica_fail_threshold: int = 3  # replica faults in a row (connection, timeout, 5xx) that take it out of rotation
+    health_interval_s: float = 5.0  # probe period of the replicas in rotation
+    probe_timeout_s: float = 2.0  # a probe not answered in this time fails (a hung replica)
+    probe_max_s: float = 10.0  # longest wait between two probes of a replica out of rotation
 
 
 @dataclass
@@ -91,6 +98,7 @@ class RolloutResult:
     output_tokens: int | None = None
     attempts: int = 1
     weight_version: str = ""
+    replica: str = ""  # base URL of the replica that served the last attempt (several replicas only)
 
 
 # The per-rollout timings, in stage order: RolloutResult's attributes, the Rollout table's columns and the keys

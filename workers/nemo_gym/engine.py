@@ -59,6 +59,8 @@ class _EmitMixin:
 
 
 class AgentRun(_EmitMixin, _Run):
+    ROUTES_REPLICAS = False  # its base URLs are a head server or agents, routed by _urls_for
+
     def __init__(self, spec, sink, control, verify_pool=None):
         # the agent verifies; its answer is one JSON body (no streaming)
         super().__init__(replace(spec, verifier="none", verify_mode="deferred", stream=False), sink, control, verify_pool)

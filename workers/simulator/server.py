@@ -401,6 +401,17 @@ ADMIN_PATHS = {"/pause": "pause", "/resume": "resume", "/update_weights": "updat
 
 
 @web.middleware
+async def hang_while_set(request, handler):
+    """The `hang` knob: hold every request but /admin/config without answering while it is set."""
+    sim = request.app[SIM]
+    if sim.cfg.hang and request.path != "/admin/config":
+        deadline = time.monotonic() + STALL_MAX_S
+        while sim.cfg.hang and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    return await handler(request)
+
+
+@web.middleware
 async def admin_timing(request, handler):
     """Server-Timing on admin routes (rpc_ms for the client), the echoed trace id, injected admin faults."""
     if request.path not in ADMIN_PATHS:
@@ -521,7 +532,7 @@ async def post_config(request):
 # ---- app -------------------------------------------------------------------------------------------
 def create_app(config: SimConfig | None = None) -> web.Application:
     config = (config or SimConfig()).validate()
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[admin_timing])
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[hang_while_set, admin_timing])
     app[SIM] = Sim(config)
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
