@@ -33,6 +33,7 @@ from controlplane.endpoints.services import endpoint_spec
 from controlplane.profiling.services import profile_run
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
+import workers.nemo_gym.engine  # noqa: F401  (registers the NeMo Gym rollout sources: agents' /run, remote /verify)
 from workers.instrument import Instrumentation, instrument_run
 
 from . import services

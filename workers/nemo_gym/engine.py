@@ -20,10 +20,11 @@ from dataclasses import replace
 import aiohttp
 
 from workers.engine.pacing import backoff_delay
+from workers.engine.sources import register_flavor, register_verifier
 from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason
 from workers.engine.types import FailureClass, RolloutResult, RunSummary, TaskItem
 
-from . import HEAD_FLAVOR
+from . import AGENT_FLAVOR, HEAD_FLAVOR, REMOTE_VERIFIER
 from .deployment import DeploymentError, resolve
 from .rows import FAILURE_CLASS_KEY, agent_of, output_row, run_body, verify_fields
 
@@ -273,12 +274,7 @@ class RemoteVerifyRun(_Run):
         result.verify_ms = (time.monotonic() - t0) * 1000.0
 
 
-def run_class(spec):
-    """The run class for a spec, or None for the built-in one."""
-    from . import FLAVORS, REMOTE_VERIFIER
-
-    if spec.endpoint.api_flavor in FLAVORS:
-        return AgentRun
-    if spec.verifier == REMOTE_VERIFIER and spec.verify_mode != "deferred":
-        return RemoteVerifyRun
-    return None
+# the engine finds these runs through its registry (it never imports this package)
+register_flavor(AGENT_FLAVOR, AgentRun)
+register_flavor(HEAD_FLAVOR, AgentRun)
+register_verifier(REMOTE_VERIFIER, RemoteVerifyRun)
