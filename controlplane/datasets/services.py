@@ -155,11 +155,29 @@ class AgentCounter:
                 "rows_of_unlisted_agents": self.dropped}
 
 
-def dataset_agents(dataset) -> list[dict]:
-    """[{"name", "rows"}] of the agents the dataset's rows name, most rows first (from the ingest report)."""
-    info = (dataset.validation_report or {}).get("agents") or {}
-    rows = [{"name": n, "rows": c} for n, c in (info.get("by_name") or {}).items()]
-    return sorted(rows, key=lambda r: (-r["rows"], r["name"]))
+def dataset_agents(dataset) -> dict:
+    """{"agents": [{"name", "rows"}] most rows first, "without_agent_ref": n} for the agents the dataset's rows
+    name in `agent_ref` (counted at ingest; for a dataset stored before, counted now and kept in its report)."""
+    report = dataset.validation_report if isinstance(dataset.validation_report, dict) else {}
+    info = report.get("agents")
+    if info is None:
+        from django.db.models import Count
+
+        counter = AgentCounter()
+        named = (DatasetRow.objects.filter(dataset=dataset).values("data__agent_ref__name")
+                 .annotate(n=Count("id")).values_list("data__agent_ref__name", "n"))
+        for name, n in named:
+            if isinstance(name, str) and name:
+                counter.counts[name] = n
+            else:
+                counter.without += n
+        info = counter.as_dict()
+        if dataset.pk is not None and dataset.status == Dataset.Status.READY:
+            Dataset.objects.filter(pk=dataset.pk).update(validation_report={**report, "agents": info})
+    agents = [{"name": n, "rows": c} for n, c in (info.get("by_name") or {}).items()]
+    return {"agents": sorted(agents, key=lambda r: (-r["rows"], r["name"])),
+            "without_agent_ref": info.get("without_agent_ref", 0),
+            "rows_of_unlisted_agents": info.get("rows_of_unlisted_agents", 0)}
 
 
 def ingest_jsonl(

@@ -189,3 +189,37 @@ def test_history_and_csv_export(client_alice, alice_job):
     row = rows[0]
     assert row["job_id"] == str(alice_job.pk) and row["rollouts"] == str(alice_job.done_count)
     assert float(row["avg_reward"]) == 0.5 and abs(float(row["samples_per_sec"]) - alice_job.done_count / 60) < 0.05
+
+
+def _agents_section(html: str) -> list[tuple[str, int]]:
+    sec = html[html.index('id="dataset-agents"'):]
+    sec = sec[:sec.index("</section>")]
+    import re
+
+    return [(n, int(c)) for n, c in re.findall(r"<tr><td><code>([^<]+)</code></td><td class=\"num\">(\d+)</td></tr>", sec)]
+
+
+def test_dataset_page_lists_the_agents_its_rows_route_to(client_alice, alice):
+    from controlplane.datasets.services import ingest_jsonl
+
+    rows = sum_rows(7)
+    for i in (1, 3, 5):
+        rows[i]["agent_ref"] = {"name": "math_agent"}
+    rows[6]["agent_ref"] = {"name": "code_agent"}
+    ds = ingest_jsonl(io.BytesIO(b"".join(json.dumps(r).encode() + b"\n" for r in rows)), name="routed", owner=alice)
+    html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
+    assert _agents_section(html) == [("math_agent", 3), ("code_agent", 1)]
+    assert "3 rows name no agent: an agent job sends them to the job's agent name." in html
+    assert ds.validation_report["agents"] == {"by_name": {"code_agent": 1, "math_agent": 3}, "without_agent_ref": 3,
+                                              "rows_of_unlisted_agents": 0}
+
+
+def test_dataset_page_counts_agents_of_a_dataset_stored_before_the_count(client_alice, alice):
+    rows = sum_rows(4)
+    rows[0]["agent_ref"] = {"name": "solo"}
+    ds = make_dataset(alice, rows=rows)  # written directly: no agent count in its report
+    html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
+    assert _agents_section(html) == [("solo", 1)]
+    assert "3 rows name no agent" in html
+    ds.refresh_from_db()
+    assert ds.validation_report["agents"]["by_name"] == {"solo": 1}  # kept for the next view
