@@ -93,6 +93,7 @@ def job_detail(request, job_id):
         "snapshot": snapshot,
         "series": series,
         "timing": stats.timing_breakdown(job),
+        "agent_split": stats.agent_split(job),
         "rewards": stats.reward_metrics(job),
         "failures": stats.failures_by_class(job),
         "panels": panels.render_list(request, job),
