@@ -77,6 +77,16 @@ def _host_for_url(host: str, head: str) -> str:
     return host
 
 
+def _interpolated(value, cfg: dict):
+    """`${policy_base_url}` (an OmegaConf interpolation the head server may leave unresolved) -> its value."""
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        node = cfg
+        for part in value[2:-1].split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+    return value
+
+
 def parse_config(head: str, payload) -> Deployment:
     """The deployment from the body of /global_config_dict_yaml (a JSON string of YAML, or the YAML text)."""
     text = payload
@@ -111,6 +121,7 @@ def parse_config(head: str, payload) -> Deployment:
                 refs[key] = ref["name"]
         upstream = inner.get("base_url") if stype == "responses_api_models" else None
         upstream = [upstream] if isinstance(upstream, str) else upstream if isinstance(upstream, list) else []
+        upstream = [_interpolated(u, cfg) for u in upstream]
         servers[str(name)] = Server(name=str(name), kind=SERVER_TYPES[stype], impl=str(impl), refs=refs,
                                     url=f"http://{_host_for_url(str(inner['host']), head)}:{int(inner['port'])}",
                                     upstream=[u for u in upstream if isinstance(u, str) and u.startswith("http")])
