@@ -6,7 +6,8 @@ control, progress, sink): only what one task does differs.
   they have none, by the endpoint's agent name (EndpointSpec.model). With a head server, the agents are
   found at run start and found again when an agent stops answering (a restarted `ng_run` gives its servers
   new ports). Failures are recorded by class (HTTP status, timeout, connection, the agent's own
-  `_ng_failure_class`) after bounded retries with backoff; the run goes on.
+  `_ng_failure_class`) after bounded retries with backoff; the run goes on. Each tick carries the split of
+  /run time into the model server's (its /metrics, found through the head server's config) and the agent's.
 * `RemoteVerifyRun` (verifier `nemo_gym`): the model is driven by the built-in engine and each response is
   scored by a resources server's `POST /verify`.
 """
@@ -146,8 +147,6 @@ class AgentRun(_EmitMixin, _Run):
         tick = super()._tick()
         tick.extra["agent_timing"] = dict(self.timing)
         return tick
-
-
 
     async def _reresolve(self) -> None:
         """An agent stopped answering: ask the head server again (throttled; errors leave the old map)."""
