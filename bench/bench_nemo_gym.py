@@ -1,7 +1,7 @@
 """NeMo Gym's own `ng_collect_rollouts` vs the product's agent job, side by side on ONE deployment.
 
 One `ng_run` (scripts/nemo_gym.sh: math_with_judge's simple agent + the vllm_model server) in front of the
-built-in simulator; the same N rows (default 500 rollouts: 250 rows x 2 repeats) collected at each
+built-in simulator; the same N rows (default 500 rows x 1 repeat) collected at each
 parallelism (default 16 and 64) by:
 
 - `ng_collect_rollouts +agent_name=... +num_samples_in_parallel=P` (NeMo Gym 0.4.0, its own venv), and
@@ -14,7 +14,7 @@ seconds of the command's process tree; client memory is its peak RSS (psutil eve
 (task, repeat) pairs missing from or duplicated in the output. The deployment's own processes are not
 the client and are not counted.
 
-    .venv/bin/python -m bench.bench_nemo_gym                 # 500 rollouts at 16 and 64
+    .venv/bin/python -m bench.bench_nemo_gym                 # 500 rows at 16 and 64
     .venv/bin/python -m bench.bench_nemo_gym -n 100 -c 16    # a quick look
 Needs PostgreSQL (DATABASE_URL; a database `<name>_bench_nemo_gym` is created and dropped) and a Python
 >= 3.12 for nemo-gym (scripts/nemo_gym.sh setup builds .venv-nemo-gym).
@@ -129,15 +129,16 @@ def count(path: Path, n_rows: int, repeats: int) -> tuple[int, int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-n", type=int, default=500, help="rollouts per run (rows x 2 repeats)")
+    ap.add_argument("-n", type=int, default=500, help="rows per run (the issue's 500)")
+    ap.add_argument("--repeats", type=int, default=1, help="num_repeats (rollouts = rows x repeats)")
     ap.add_argument("-c", default="16,64", help="parallelism levels")
     ap.add_argument("--ttft-ms", type=int, default=20)
     ap.add_argument("--itl-ms", type=int, default=1)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.c.split(",")]
-    repeats = 2
-    n_rows = max(1, args.n // repeats)
+    repeats = args.repeats
+    n_rows = max(1, args.n)
 
     py = subprocess.run(["bash", str(SCRIPT), "python"], capture_output=True, text=True)
     if py.returncode != 0:
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
         inp = tmp / "rows.jsonl"
         write_rows(inp, n_rows)
         for c in levels:
-            common = [f"+agent_name={AGENT}", f"+input_jsonl_fpath={inp}", "+num_repeats=2",
+            common = [f"+agent_name={AGENT}", f"+input_jsonl_fpath={inp}", f"+num_repeats={repeats}",
                       f"+num_samples_in_parallel={c}", "+head_server.host=127.0.0.1", f"+head_server.port={head_port}",
                       "+responses_create_params.max_output_tokens=64"]
             for who in ("ng_collect_rollouts", "product agent job"):

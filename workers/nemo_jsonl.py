@@ -21,7 +21,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from workers.task_index import TaskIndexTracker
 
 READ_CHUNK_BYTES = 1 << 20  # 1 MiB
 MAX_LINE_BYTES = 64 << 20  # a single line above this is reported as bad without being held whole
@@ -226,7 +225,7 @@ def validate_row(row: Any) -> str | None:
     if ar is not None and not isinstance(ar, dict):
         return f"'agent_ref' must be an object, got {_type_name(ar)}"
     ti = row.get("_ng_task_index")
-    if ti is not None and not (_is_int(ti) and 0 <= ti < 2**31):
+    if "_ng_task_index" in row and not (_is_int(ti) and 0 <= ti < 2**31):
         return "'_ng_task_index' must be an integer from 0 to 2147483647"
     return None
 
@@ -417,10 +416,8 @@ def validate_jsonl(fileobj_or_path) -> dict:
     """Validate without storing anything; returns the report (plus sha256 and size_bytes)."""
     report, stats = Report(), StreamStats()
     chunks, close = iter_chunks(fileobj_or_path)
-    indices = TaskIndexTracker()
     try:
         for lineno, _row, _text, err in classify_lines(chunks, stats, report):
-            err = err or indices.check(_row, report.good_rows, lineno)
             if err is None:
                 report.good_rows += 1
             else:

@@ -1,48 +1,72 @@
-"""Task indices must be unique within a dataset: the engine keys rollouts on (task index, repeat), so
-two rows with the same index would collect into the same slots and one would be lost.
+"""Task indices as `ng_collect_rollouts` (nemo-gym 0.4.0) assigns them, so the product's rows carry the same
+(`_ng_task_index`, `_ng_rollout_index`) pairs as NeMo Gym's on the same file.
 
-A row's task index is its own `_ng_task_index` when it carries one, else its position among the good
-rows (as the engine materializes it). The tracker remembers the line each index came from so the
-report names both lines, in about 4 bytes per row: a dense array for indices near the row count
-(the usual case: positions, or explicit indices 0..n-1), a dict only for far-apart explicit ones."""
+NeMo Gym (`RolloutCollectionHelper._preprocess_rows_from_config`):
+* a row's own `_ng_task_index` is kept;
+* a row without one gets `row_to_task_idx.setdefault(line, len(row_to_task_idx))`: identical input lines
+  share one index, and distinct lines are numbered 0, 1, 2... in order of first appearance (rows that carry
+  their own index are not counted);
+* rollout indices are counted per task index across the whole file: the first row with task index t gets
+  rollouts 0..R-1, the next row with the same t (an identical line, or an explicit repeat) R..2R-1, and so on.
+
+So each stored row keeps (task index, occurrence); its rollouts are occurrence*R .. occurrence*R + R-1, and
+(task, rollout) stays unique per job without refusing any line NeMo Gym accepts.
+
+Dataset ingest stores each line's digest and numbers the rows in the database afterwards
+(controlplane.datasets.services.number_tasks), in constant memory. `TaskIndexer` does the same in memory for
+the standalone engine CLI (one 16-byte digest per distinct line, ~4 bytes per task index for the counts).
+"""
 from __future__ import annotations
 
+import hashlib
 from array import array
 
 MAX_TASK_INDEX = 2**31 - 1  # the rollouts table stores it as a 32-bit integer
 
 
-class TaskIndexTracker:
+class _Counts:
+    """task index -> how many rows had it so far."""
+
     def __init__(self):
-        self._dense = array("I")  # line number per index; 0: not seen
+        self._dense = array("I")
         self._sparse: dict[int, int] = {}
 
-    def _line_of(self, index: int) -> int | None:
-        if index < len(self._dense):
-            return self._dense[index] or None
-        return self._sparse.get(index)
-
-    def _remember(self, index: int, lineno: int) -> None:
+    def bump(self, index: int) -> int:
+        """The count before this row (its occurrence), then count it."""
         n = len(self._dense)
-        if index >= n and index <= 2 * n + 1024:
+        if n <= index <= 2 * n + 1024:
             grow = max(index + 1, 2 * n) - n
             self._dense.extend(array("I", bytes(grow * self._dense.itemsize)))
             for k in [k for k in self._sparse if k < len(self._dense)]:
                 self._dense[k] = self._sparse.pop(k)
         if index < len(self._dense):
-            self._dense[index] = lineno
+            seen = self._dense[index]
+            self._dense[index] = seen + 1
         else:
-            self._sparse[index] = lineno
+            seen = self._sparse.get(index, 0)
+            self._sparse[index] = seen + 1
+        return seen
 
-    def check(self, row, position: int, lineno: int) -> str | None:
-        """None (and remember the index), or why this line's index cannot be used."""
-        explicit = isinstance(row, dict) and "_ng_task_index" in row
-        index = row["_ng_task_index"] if explicit else position
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index <= MAX_TASK_INDEX:
-            return None  # validate_row reports it
-        first = self._line_of(index)
-        if first is not None:
-            how = "_ng_task_index" if explicit else "its position"
-            return f"task index {index} ({how}) repeats the task index of line {first}"
-        self._remember(index, min(lineno, 2**32 - 1))
-        return None
+
+class TaskIndexer:
+    def __init__(self):
+        self._line_index: dict[bytes, int] = {}
+        self._counts = _Counts()
+
+    def assign(self, row: dict, line: str | bytes) -> tuple[int, int]:
+        """(task index, occurrence) of the next row; `line` is its JSON text as read from the file."""
+        if "_ng_task_index" in row:
+            index = row["_ng_task_index"]
+        else:
+            index = self._line_index.setdefault(line_digest(line), len(self._line_index))
+        return index, self._counts.bump(index)
+
+
+def line_digest(line: str | bytes) -> bytes:
+    """The key identical lines share (16 bytes; the product stores it per row and lets the database group)."""
+    return hashlib.blake2b(line.encode() if isinstance(line, str) else line, digest_size=16).digest()
+
+
+def rollout_indices(occurrence: int, num_repeats: int) -> range:
+    """The rollout indices of a row: NeMo Gym counts them per task index across the file."""
+    return range(occurrence * num_repeats, (occurrence + 1) * num_repeats)

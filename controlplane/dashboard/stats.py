@@ -9,7 +9,8 @@ from django.core.cache import cache
 from django.db import connection
 from django.db.models import Avg, Count
 
-from controlplane.jobs.models import Rollout
+from controlplane.jobs.models import JobMetricSample, Rollout
+from workers.diagnosis.evidence import build_evidence
 from workers.engine.aggregate import quantile
 from workers.engine.types import TIMING_FIELDS
 
@@ -120,6 +121,26 @@ def timing_breakdown(job) -> dict:
         rows.append({"field": field.removesuffix("_ms"), "count": st["count"], "mean": st["mean"],
                      "p50": st["p50"], "p90": st["p90"], "p99": st["p99"]})
     return {"source": "live", "rows": _labelled(rows), "sample": live["sample"]}
+
+
+AGENT_SPLIT_TICKS = 2000
+
+
+def agent_split(job) -> dict | None:
+    """NeMo Gym agent jobs: where each /run's time goes, per rollout (means, ms) - the model server's part (its
+    /metrics) and the agent's own (its work, tools, its /verify call) - from the job's progress ticks. None for
+    other jobs, or before a tick carried the figures."""
+    if not getattr(job.endpoint, "is_nemo_gym", False):
+        return None
+    ticks = list(JobMetricSample.objects.filter(job_id=job.pk).order_by("-t")
+                 .values("worker", "t", "elapsed_s", "completed", "failed", "in_flight", "parallelism", "extra")
+                 [:AGENT_SPLIT_TICKS])
+    ticks.reverse()
+    ev = build_evidence(ticks)
+    if not ev.agent_job or ev.agent_run_ms is None:
+        return None
+    return {"run_ms": ev.agent_run_ms, "model_ms": ev.agent_model_ms, "model_calls": ev.agent_model_calls,
+            "agent_ms": ev.agent_own_ms, "agent_share": ev.agent_share, "model_share": ev.model_share}
 
 
 STAT_COLUMNS = ("mean", "median", "min", "max", "std")

@@ -18,7 +18,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
-from controlplane.datasets.services import DatasetValidationError, ingest_jsonl, preview_rows
+from controlplane.datasets.services import DatasetValidationError, dataset_agents, ingest_jsonl, preview_rows
 from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
 
 from . import compare as compare_mod
@@ -93,6 +93,7 @@ def job_detail(request, job_id):
         "snapshot": snapshot,
         "series": series,
         "timing": stats.timing_breakdown(job),
+        "agent_split": stats.agent_split(job),
         "rewards": stats.reward_metrics(job),
         "failures": stats.failures_by_class(job),
         "panels": panels.render_list(request, job),
@@ -327,6 +328,7 @@ def dataset_detail(request, dataset_id):
     report = ds.validation_report or {}
     return render(request, "dashboard/dataset_detail.html", {
         "ds": ds, "preview": preview, "report": report, "form": form,
+        "agents": dataset_agents(ds) if ds.status == ds.Status.READY else None,
         "jobs": list(visible_jobs(request.user).filter(dataset=ds)[:20]),
     }, status=200 if request.method == "GET" or form.is_valid() else 400)
 

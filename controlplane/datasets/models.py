@@ -36,6 +36,14 @@ class DatasetRow(models.Model):
     index = models.PositiveIntegerField()  # 0-based position among the dataset's good rows
     line_number = models.PositiveIntegerField()  # 1-based line in the uploaded file
     data = models.JSONField()
+    # NeMo Gym's task index (the row's own `_ng_task_index`, else shared by identical lines) and how many
+    # earlier rows had it: the row's rollouts are occurrence*R .. occurrence*R+R-1 (workers/task_index.py).
+    # NULL on rows stored before: their task index is `_ng_task_index` or `index`, occurrence 0.
+    task_index = models.PositiveIntegerField(null=True)
+    occurrence = models.PositiveIntegerField(default=0)
+    # 16-byte digest of the line (NULL when the row carries its own index): identical lines are found by the
+    # database after ingest, so ingest memory does not grow with the file
+    line_digest = models.BinaryField(null=True, editable=False)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["dataset", "index"], name="uniq_dataset_row_index")]

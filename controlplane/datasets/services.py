@@ -20,8 +20,9 @@ from django.db import connection, transaction
 from workers.nemo_jsonl import Report, StreamStats, classify_lines, iter_chunks
 from workers.verifiers.registry import FieldFit, describe_fit, has_field, fit_candidates, resolve
 
+from workers.task_index import line_digest
+
 from .models import Dataset, DatasetRow
-from workers.task_index import TaskIndexTracker
 
 INSERT_BATCH_ROWS = 1000
 
@@ -32,6 +33,21 @@ def iter_rows(dataset, start: int = 0, end: int | None = None, chunk_size: int =
     if end is not None:
         qs = qs.filter(index__lt=end)
     yield from qs.order_by("index").values_list("index", "data").iterator(chunk_size=chunk_size)
+
+
+def iter_task_rows(dataset, start: int = 0, end: int | None = None,
+                   chunk_size: int = 1000) -> Iterator[tuple[int, int, dict]]:
+    """Yield (task index, occurrence, row) for dataset rows in [start, end), in order, as NeMo Gym numbers
+    them (workers/task_index.py); rows stored before that was kept: `_ng_task_index` or the position, 0."""
+    qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
+    if end is not None:
+        qs = qs.filter(index__lt=end)
+    for index, data, task_index, occurrence in (qs.order_by("index")
+                                                .values_list("index", "data", "task_index", "occurrence")
+                                                .iterator(chunk_size=chunk_size)):
+        if task_index is None:
+            task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
+        yield task_index, occurrence, data
 
 
 # ------------------------------------------------------------------------------------------------
@@ -62,11 +78,17 @@ class _RowWriter:
     def __init__(self, dataset, batch_rows: int):
         self.dataset = dataset
         self.batch_rows = batch_rows
-        self.buf: list[tuple[int, int, dict, str]] = []
+        self.buf: list[tuple[int, int, dict, str, int, bytes | None]] = []
         self.use_copy = connection.vendor == "postgresql"
 
     def add(self, index: int, line_number: int, row: dict, text: str):
-        self.buf.append((index, line_number, row, text))
+        # a row's own index is kept; other rows get their position for now (number_tasks corrects it when
+        # identical lines or explicit indices shift NeMo Gym's numbering)
+        if "_ng_task_index" in row:
+            task_index, digest = row["_ng_task_index"], None
+        else:
+            task_index, digest = index, line_digest(text)
+        self.buf.append((index, line_number, row, text, task_index, digest))
         if len(self.buf) >= self.batch_rows:
             self.flush()
 
@@ -80,14 +102,87 @@ class _RowWriter:
             table = DatasetRow._meta.db_table
             ds_id = self.dataset.pk
             with transaction.atomic(), connection.cursor() as cur:
-                with cur.cursor.copy(f'COPY "{table}" (dataset_id, "index", line_number, data) FROM STDIN') as cp:
-                    for index, line_number, _row, text in self.buf:
-                        cp.write_row((ds_id, index, line_number, text))
+                with cur.cursor.copy(f'COPY "{table}" (dataset_id, "index", line_number, data, task_index, '
+                                     f'occurrence, line_digest) FROM STDIN') as cp:
+                    for index, line_number, _row, text, task_index, digest in self.buf:
+                        cp.write_row((ds_id, index, line_number, text, task_index, 0, digest))
         else:
             DatasetRow.objects.bulk_create(
-                [DatasetRow(dataset=self.dataset, index=i, line_number=n, data=row) for i, n, row, _t in self.buf]
+                [DatasetRow(dataset=self.dataset, index=i, line_number=n, data=row, task_index=t, line_digest=d)
+                 for i, n, row, _text, t, d in self.buf]
             )
         self.buf = []
+
+
+def number_tasks(dataset) -> None:
+    """Give the stored rows NeMo Gym's task indices and occurrences (workers/task_index.py), in the database:
+    rows without their own index are numbered by the first appearance of their line (identical lines share
+    one), then each row counts the earlier rows with its task index. Only rows whose numbers change are
+    written (none, for the usual file of distinct lines without explicit indices)."""
+    table = DatasetRow._meta.db_table
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute(f'''
+            UPDATE "{table}" SET task_index = firsts.t
+            FROM (SELECT line_digest, ROW_NUMBER() OVER (ORDER BY MIN("index")) - 1 AS t
+                  FROM "{table}" WHERE dataset_id = %s AND line_digest IS NOT NULL GROUP BY line_digest) AS firsts
+            WHERE "{table}".dataset_id = %s AND "{table}".line_digest = firsts.line_digest
+              AND "{table}".task_index <> firsts.t''', [dataset.pk, dataset.pk])
+        cur.execute(f'''
+            UPDATE "{table}" SET occurrence = seen.k
+            FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY task_index ORDER BY "index") - 1 AS k
+                  FROM "{table}" WHERE dataset_id = %s) AS seen
+            WHERE "{table}".id = seen.id AND seen.k > 0''', [dataset.pk])
+
+
+class AgentCounter:
+    """Which NeMo Gym agents a file routes to: rows per `agent_ref.name`, and rows naming none (those go to
+    the job's agent name)."""
+
+    MAX_NAMES = 200  # a file naming more agents than this keeps the 200 first seen, and says so
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.without = 0
+        self.dropped = 0
+
+    def add(self, row) -> None:
+        ref = row.get("agent_ref") if isinstance(row, dict) else None
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str) or not name:
+            self.without += 1
+        elif name in self.counts or len(self.counts) < self.MAX_NAMES:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        else:
+            self.dropped += 1
+
+    def as_dict(self) -> dict:
+        return {"by_name": dict(sorted(self.counts.items())), "without_agent_ref": self.without,
+                "rows_of_unlisted_agents": self.dropped}
+
+
+def dataset_agents(dataset) -> dict:
+    """{"agents": [{"name", "rows"}] most rows first, "without_agent_ref": n} for the agents the dataset's rows
+    name in `agent_ref` (counted at ingest; for a dataset stored before, counted now and kept in its report)."""
+    report = dataset.validation_report if isinstance(dataset.validation_report, dict) else {}
+    info = report.get("agents")
+    if info is None:
+        from django.db.models import Count
+
+        counter = AgentCounter()
+        named = (DatasetRow.objects.filter(dataset=dataset).values("data__agent_ref__name")
+                 .annotate(n=Count("id")).values_list("data__agent_ref__name", "n"))
+        for name, n in named:
+            if isinstance(name, str) and name:
+                counter.counts[name] = n
+            else:
+                counter.without += n
+        info = counter.as_dict()
+        if dataset.pk is not None and dataset.status == Dataset.Status.READY:
+            Dataset.objects.filter(pk=dataset.pk).update(validation_report={**report, "agents": info})
+    agents = [{"name": n, "rows": c} for n, c in (info.get("by_name") or {}).items()]
+    return {"agents": sorted(agents, key=lambda r: (-r["rows"], r["name"])),
+            "without_agent_ref": info.get("without_agent_ref", 0),
+            "rows_of_unlisted_agents": info.get("rows_of_unlisted_agents", 0)}
 
 
 def ingest_jsonl(
@@ -128,16 +223,16 @@ def ingest_jsonl(
     writer = _RowWriter(dataset, batch_rows)
     inserting = True  # stop inserting at the first bad line unless accept_partial
     chunks, close = iter_chunks(fileobj_or_path)
-    indices = TaskIndexTracker()
+    agents = AgentCounter()
     fit = FieldFit(fit_candidates([verifier] if verifier else []))
     try:
         for lineno, row, text, err in classify_lines(chunks, stats, report):
-            if err is None and needed:  # before the task index is taken: a rejected row takes no position
+            if err is None and needed:  # a row the verifier cannot serve is a bad line
                 missing = [f for f in needed if not has_field(row, f)]
                 if missing:
                     err = f"lacks {', '.join(missing)}, which verifier {verifier!r} needs"
-            err = err or indices.check(row, report.good_rows, lineno)
             if err is None:
+                agents.add(row)
                 fit.add(lineno, row)
                 if inserting:
                     writer.add(report.good_rows, lineno, row, text)
@@ -149,6 +244,7 @@ def ingest_jsonl(
                 writer.discard()
         if inserting:
             writer.flush()
+            number_tasks(dataset)
     except BaseException:
         # A read error or an interrupt: leave nothing half-loaded behind.
         DatasetRow.objects.filter(dataset=dataset).delete()
@@ -191,6 +287,7 @@ def ingest_jsonl(
         dataset.validation_report["verifier_fit"] = describe_fit(dataset.validation_report["verifiers"])
     if verifier:
         dataset.validation_report["verifier"] = verifier
+    dataset.validation_report["agents"] = agents.as_dict()
     dataset.save()
     if rejected and raise_on_reject:
         raise DatasetValidationError(message, dataset.validation_report, dataset)

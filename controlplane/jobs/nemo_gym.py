@@ -78,15 +78,15 @@ def materialized_path(output_path: str | os.PathLike) -> Path:
 
 def write_materialized_inputs(job, output_path, agent_name: str | None) -> Path:
     """`<out>_materialized_inputs.jsonl`: the body sent for each (task, repeat), in NeMo Gym's order."""
-    from controlplane.datasets.services import iter_rows
-    from workers.engine.materialize import materialize, merge_overrides
+    from controlplane.datasets.services import iter_task_rows
+    from workers.engine.materialize import materialize_tasks, merge_overrides
 
     path = materialized_path(output_path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     overrides = dict(job.responses_create_params or {})
     end = min(job.limit, job.dataset.row_count) if job.limit else None
     with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as f:
-        for item in materialize(iter_rows(job.dataset, 0, end), job.num_repeats):
+        for item in materialize_tasks(iter_task_rows(job.dataset, 0, end), job.num_repeats):
             if job.endpoint.is_nemo_gym:
                 body = run_body(item.row, agent_name, overrides, item.task_index, item.rollout_index)
             else:

@@ -34,6 +34,7 @@ from controlplane.monitoring.metrics import record_chunk_run, record_lease_taken
 from controlplane.profiling.services import profile_run
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
+import workers.nemo_gym.engine  # noqa: F401  (registers the NeMo Gym rollout sources: agents' /run, remote /verify)
 from workers.instrument import Instrumentation, instrument_run
 
 from . import services

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from controlplane.endpoints.versions import VersionTagger
 from controlplane.monitoring.metrics import record_rollout_batch
-from workers.engine.materialize import materialize
+from workers.engine.materialize import materialize_tasks
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
 from .events import LiveFigures, job_group, live_figures, progress_payload
@@ -520,7 +520,10 @@ class DbControl:
 # --- tasks -----------------------------------------------------------------------------------------
 class ChunkTasks:
     """The chunk's TaskItems in NeMo Gym order, read a page at a time on the DB thread (one page
-    prefetched), skipping the (task_index, rollout_index) pairs already stored for the job."""
+    prefetched), skipping the (task_index, rollout_index) pairs already stored for the job.
+
+    Rows carry NeMo Gym's numbering (task index, occurrence; workers/task_index.py): identical lines share a
+    task index, possibly across chunks, so a chunk owns the pairs (t, occurrence*R + r), not whole tasks."""
 
     def __init__(self, *, job, chunk, db: DbThread, page_rows=1000):
         self.job_id = job.pk
@@ -534,19 +537,25 @@ class ChunkTasks:
         self.page_rows = page_rows
         self.emitted = 0
         self.skipped = 0
-        self.task_ids: set[int] = set()  # every task index of the chunk (to verify completeness after the run)
+        self.rows_seen = 0
+        # occurrence -> the chunk's task indices with it (to check completeness after the run)
+        self.tasks_by_occurrence: dict[int, set[int]] = {}
+
+    @property
+    def task_ids(self) -> set[int]:
+        return set().union(*self.tasks_by_occurrence.values()) if self.tasks_by_occurrence else set()
 
     def _page(self, start):
-        from controlplane.datasets.services import iter_rows
+        from controlplane.datasets.services import iter_task_rows
 
         stop = min(start + self.page_rows, self.end)
-        rows = list(iter_rows(self.dataset, start, stop))
+        rows = list(iter_task_rows(self.dataset, start, stop))
         task_ids = set()
-        for index, row in rows:
+        for task_index, _occurrence, _row in rows:
             try:
-                task_ids.add(int(row.get("_ng_task_index", index)))
+                task_ids.add(int(task_index))
             except (TypeError, ValueError):
-                pass  # materialize() raises the clear error
+                pass  # materialize_tasks raises the clear error
         existing = set()
         if task_ids:
             existing = set(Rollout.objects.filter(job_id=self.job_id, task_index__in=task_ids)
@@ -556,14 +565,19 @@ class ChunkTasks:
     def stored_count(self) -> int:
         """How many of the chunk's (task, repeat) pairs are in the table now."""
         qs = Rollout.objects.filter(job_id=self.job_id)
-        ids = self.task_ids
-        if ids and len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of row indices
-            return qs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
-        return qs.filter(task_index__in=ids).count() if ids else 0
+        r = self.num_repeats
+        total = 0
+        for occurrence, ids in self.tasks_by_occurrence.items():
+            pairs = qs.filter(rollout_index__gte=occurrence * r, rollout_index__lt=(occurrence + 1) * r)
+            if len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of task indices
+                total += pairs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
+            else:
+                total += pairs.filter(task_index__in=ids).count()
+        return total
 
     @property
     def expected_count(self) -> int:
-        return len(self.task_ids) * self.num_repeats
+        return self.rows_seen * self.num_repeats
 
     def __iter__(self):
         if self.start >= self.end:
@@ -572,8 +586,10 @@ class ChunkTasks:
         while future is not None:
             rows, existing, stop = future.result()
             future = self.db.submit(self._page, stop) if stop < self.end else None
-            for item in materialize(rows, self.num_repeats):
-                self.task_ids.add(item.task_index)
+            for task_index, occurrence, _row in rows:
+                self.rows_seen += 1
+                self.tasks_by_occurrence.setdefault(occurrence, set()).add(int(task_index))
+            for item in materialize_tasks(rows, self.num_repeats):
                 if (item.task_index, item.rollout_index) in existing:
                     self.skipped += 1
                     continue

@@ -5,6 +5,7 @@ import csv
 import html as html_lib
 import io
 import json
+import re
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -189,3 +190,63 @@ def test_history_and_csv_export(client_alice, alice_job):
     row = rows[0]
     assert row["job_id"] == str(alice_job.pk) and row["rollouts"] == str(alice_job.done_count)
     assert float(row["avg_reward"]) == 0.5 and abs(float(row["samples_per_sec"]) - alice_job.done_count / 60) < 0.05
+
+
+def _agents_section(html: str) -> list[tuple[str, int]]:
+    sec = html[html.index('id="dataset-agents"'):]
+    sec = sec[:sec.index("</section>")]
+    import re
+
+    return [(n, int(c)) for n, c in re.findall(r"<tr><td><code>([^<]+)</code></td><td class=\"num\">(\d+)</td></tr>", sec)]
+
+
+def test_dataset_page_lists_the_agents_its_rows_route_to(client_alice, alice):
+    from controlplane.datasets.services import ingest_jsonl
+
+    rows = sum_rows(7)
+    for i in (1, 3, 5):
+        rows[i]["agent_ref"] = {"name": "math_agent"}
+    rows[6]["agent_ref"] = {"name": "code_agent"}
+    ds = ingest_jsonl(io.BytesIO(b"".join(json.dumps(r).encode() + b"\n" for r in rows)), name="routed", owner=alice)
+    html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
+    assert _agents_section(html) == [("math_agent", 3), ("code_agent", 1)]
+    assert "3 rows name no agent: an agent job sends them to the job's agent name." in html
+    assert ds.validation_report["agents"] == {"by_name": {"code_agent": 1, "math_agent": 3}, "without_agent_ref": 3,
+                                              "rows_of_unlisted_agents": 0}
+
+
+def test_dataset_page_counts_agents_of_a_dataset_stored_before_the_count(client_alice, alice):
+    rows = sum_rows(4)
+    rows[0]["agent_ref"] = {"name": "solo"}
+    ds = make_dataset(alice, rows=rows)  # written directly: no agent count in its report
+    html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
+    assert _agents_section(html) == [("solo", 1)]
+    assert "3 rows name no agent" in html
+    ds.refresh_from_db()
+    assert ds.validation_report["agents"]["by_name"] == {"solo": 1}  # kept for the next view
+
+
+def test_agent_job_page_splits_run_time_into_model_and_agent(client_alice, alice):
+    """Two chunk runs' cumulative agent_timing ticks (as AgentRun sends them): the page sums each run's last."""
+    from controlplane.jobs.models import JobMetricSample
+
+    ds = make_dataset(alice, rows=sum_rows(4))
+    ep = make_endpoint(alice, "http://127.0.0.1:11000", kind="nemo_gym", model="math_agent")
+    job = make_job(alice, ds, ep, n_rollouts=0)
+    JobMetricSample.objects.filter(job=job).delete()
+    for worker, ticks in (("w1 chunk 0", [(10, 2000.0, 10, 500.0, 10), (30, 6000.0, 30, 1500.0, 30)]),
+                          ("w1 chunk 1", [(20, 4000.0, 20, 1000.0, 20)])):
+        for i, (n, run_ms, reqs, model_ms, at) in enumerate(ticks):
+            JobMetricSample.objects.create(job=job, worker=worker, elapsed_s=i + 1.0, completed=n, in_flight=1, parallelism=4,
+                                           extra={"agent_timing": {"rollouts": n, "run_ms": run_ms, "model_requests": reqs,
+                                                                   "model_ms": model_ms, "rollouts_at_model": at,
+                                                                   "model_scrapes": 1}})
+    html = client_alice.get(reverse("dashboard:job", args=[job.pk])).content.decode()
+    table = html[html.index('id="agent-split"'):]
+    table = table[:table.index("</table>")]
+    cells = {part: [c.strip() for c in re.findall(r"<td>([^<]*)</td>", table[table.index(f'data-part="{part}"'):].split("</tr>")[0])]
+             for part in ("run", "model", "agent")}
+    # 50 rollouts: 10 s of /run, 2.5 s of model time over 50 requests
+    assert cells["run"][0] == "200.0"
+    assert cells["model"][:2] == ["50.0", "1.00 calls"]
+    assert cells["agent"][:2] == ["150.0", "75% of /run"]

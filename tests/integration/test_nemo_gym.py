@@ -95,6 +95,44 @@ def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsy
     assert CollectionJob.objects.count() == 1 and Rollout.objects.count() == 24
 
 
+def test_identical_lines_and_repeated_indices_match_ng_collect_rollouts(nemo_gym, tmp_path, capsys):
+    """Identical lines share a task index and continue its rollout indices; a row's own index is kept and
+    shared too: the same (task, rollout) pairs, rows and rewards as NeMo Gym's, and the agent's timing split."""
+    base = write_tasks(tmp_path / "base.jsonl", 5).read_text().splitlines()
+    explicit = json.loads(base[4])
+    explicit["_ng_task_index"] = 1
+    lines = [base[0], base[1], base[0], base[2], json.dumps(explicit), base[3], base[1]]
+    inp = tmp_path / "tasks.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    (tmp_path / "ng").mkdir()
+    res = subprocess.run([str(nemo_gym.venv_bin / "ng_collect_rollouts"),
+                          *ng_args(nemo_gym, inp, tmp_path / "ng" / "rollouts.jsonl")],
+                         cwd=str(tmp_path), env=nemo_gym.env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    theirs = sorted(read_jsonl(tmp_path / "ng" / "rollouts.jsonl"), key=key)
+    ours_path = tmp_path / "ours" / "rollouts.jsonl"
+    call_command("collect_rollouts", *ng_args(nemo_gym, inp, ours_path))
+    assert "14 ok, 0 failed of 14" in capsys.readouterr().out
+    ours = read_jsonl(ours_path)
+    assert [key(r) for r in ours] == [key(r) for r in theirs]
+    assert sorted(key(r) for r in ours) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5),
+                                            (2, 0), (2, 1), (3, 0), (3, 1)]
+    for mine, ref in zip(ours, theirs):
+        assert {f: mine.get(f) for f in ("reward", "id", "expected_answer")} == \
+            {f: ref.get(f) for f in ("reward", "id", "expected_answer")}, key(mine)
+    # both in NeMo Gym's materialization order (the file's lines, each with its repeats)
+    mat_ours = read_jsonl(tmp_path / "ours" / "rollouts_materialized_inputs.jsonl")
+    assert mat_ours == read_jsonl(tmp_path / "ng" / "rollouts_materialized_inputs.jsonl")
+    assert [key(r) for r in mat_ours][:6] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]
+    # the job's ticks split each /run: one model request per rollout (simple_agent on arithmetic), seen on the
+    # model server's /metrics (the simulator behind vllm_model)
+    from controlplane.diagnostics.services import job_ticks
+    from workers.diagnosis.evidence import build_evidence
+
+    ev = build_evidence(job_ticks(CollectionJob.objects.get()))
+    assert ev.agent_job and ev.agent_run_ms > 0 and ev.agent_model_calls == pytest.approx(1.0, abs=0.01)
+
+
 def test_rows_route_by_agent_ref_and_a_500_is_a_failure_not_a_stop(nemo_gym, tmp_path, capsys):
     inp = write_tasks(tmp_path / "tasks.jsonl", 10, wrong_every=0, agent_ref_every=2, missing_answer=(4,))
     out = tmp_path / "o" / "rollouts.jsonl"

@@ -1,5 +1,5 @@
-"""Dataset uploads: repeated or out-of-range task indices are refused with their line numbers (no rollout
-is silently lost later), and a multipart upload larger than the in-memory limit (spooled to disk) works."""
+"""Dataset uploads: repeated task indices are shared as NeMo Gym shares them, out-of-range ones are refused
+with their line numbers, and a multipart upload larger than the in-memory limit (spooled to disk) works."""
 from __future__ import annotations
 
 import io
@@ -14,25 +14,24 @@ def _jsonl(rows) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
 
 
-def test_repeated_task_index_refused_with_both_line_numbers(api):
+def test_repeated_task_index_is_shared_as_nemo_gym_shares_it(api):
+    """NeMo Gym takes a repeated `_ng_task_index` and continues that task's rollout indices; the row keeps its
+    occurrence, so no (task, rollout) pair is shared and nothing is lost (tests/controlplane/test_task_index.py)."""
     rows = task_rows(3)
     rows[0]["_ng_task_index"] = 5
     rows[1]["_ng_task_index"] = 7
     rows[2]["_ng_task_index"] = 5
     r = api.post("/api/datasets/?name=dup", data=_jsonl(rows), content_type="application/x-ndjson")
-    assert r.status_code == 400, r.content
-    body = r.json()
-    assert body["bad_line_count"] == 1
-    assert body["bad_lines"] == [{"line": 3, "reason": "task index 5 (_ng_task_index) repeats the task index of line 1"}]
-    assert not Dataset.objects.filter(status=Dataset.Status.READY).exists()
-
-
-def test_explicit_index_clashing_with_a_positional_one(api):
-    rows = task_rows(3)
-    rows[2]["_ng_task_index"] = 1  # row 1 (line 2) has task index 1 by position
-    r = api.post("/api/datasets/?name=dup&accept_partial=true", data=_jsonl(rows), content_type="application/x-ndjson")
     assert r.status_code == 201, r.content
-    assert r.json()["row_count"] == 2 and r.json()["validation_report"]["bad_lines"][0]["line"] == 3
+    ds = Dataset.objects.get(pk=r.json()["id"])
+    assert list(ds.rows.order_by("index").values_list("task_index", "occurrence")) == [(5, 0), (7, 0), (5, 1)]
+
+
+def test_null_task_index_refused_with_its_line(api):
+    rows = task_rows(2)
+    rows[1]["_ng_task_index"] = None
+    r = api.post("/api/datasets/", data=_jsonl(rows), content_type="application/x-ndjson")
+    assert r.status_code == 400 and r.json()["bad_lines"][0]["line"] == 2
 
 
 def test_task_index_beyond_32_bits_refused_at_upload(api):
@@ -57,11 +56,12 @@ def test_multipart_upload_over_the_in_memory_limit(api, settings):
     assert r.json()["row_count"] == 3 and r.json()["size_bytes"] == len(blob)
 
 
-def test_tracker_finds_repeats_among_far_apart_and_dense_indices():
-    from workers.task_index import TaskIndexTracker
+def test_indexer_counts_occurrences_among_far_apart_and_dense_indices():
+    from workers.task_index import TaskIndexer
 
-    t = TaskIndexTracker()
-    seen = [t.check({"_ng_task_index": i}, pos, pos + 1) for pos, i in enumerate([10**9, 5000, *range(3000), 5000])]
-    assert seen[:-1] == [None] * 3002
-    assert seen[-1] == "task index 5000 (_ng_task_index) repeats the task index of line 2"
-    assert t.check({}, 10**9, 99) == "task index 1000000000 (its position) repeats the task index of line 1"
+    t = TaskIndexer()
+    got = [t.assign({"_ng_task_index": i}, "") for i in [10**9, 5000, *range(3000), 5000, 10**9]]
+    assert got[:2] == [(10**9, 0), (5000, 0)] and got[-2:] == [(5000, 1), (10**9, 1)]
+    assert got[2:-2] == [(i, 0) for i in range(3000)]
+    # lines without an index are numbered 0, 1... by first appearance, sharing the explicit 0 and 1 above
+    assert t.assign({}, "x") == (0, 1) and t.assign({}, "y") == (1, 1) and t.assign({}, "x") == (0, 2)

@@ -14,7 +14,9 @@ CONFIG = {
     "math_with_judge_simple_agent": {"responses_api_agents": {"simple_agent": {
         "host": "0.0.0.0", "port": 4002, "resources_server": {"type": "resources_servers", "name": "math_with_judge"},
         "model_server": {"type": "responses_api_models", "name": "policy_model"}}}},
-    "policy_model": {"responses_api_models": {"vllm_model": {"host": "127.0.0.1", "port": 4003, "api_key": "sk-secret-value"}}},
+    "policy_model": {"responses_api_models": {"vllm_model": {"host": "127.0.0.1", "port": 4003, "api_key": "sk-secret-value",
+                                                             "base_url": "${policy_base_url}"}}},
+    "policy_base_url": "http://10.9.9.9:8000/v1",
 }
 
 
@@ -26,6 +28,8 @@ def test_head_config_gives_agents_and_drops_secrets():
     assert dep.servers["math_with_judge_simple_agent"].refs == {"resources_server": "math_with_judge",
                                                                 "model_server": "policy_model"}
     assert "sk-secret-value" not in json.dumps(dep.public())
+    # the model server's own endpoint (an unresolved interpolation followed), for the agent / model time split
+    assert dep.model_upstreams() == ["http://10.9.9.9:8000/v1"]
 
 
 def test_head_config_without_servers_is_a_clear_error():

@@ -5,7 +5,7 @@
     d.verdict, d.confidence, d.recommendations
 """
 from .classifier import (  # noqa: F401
-    CONTROL_PLANE, INSUFFICIENT, MODEL, NETWORK, VERDICTS, VERIFICATION, Condition, Diagnosis, EvidenceItem,
+    AGENT, CONTROL_PLANE, INSUFFICIENT, MODEL, NETWORK, VERDICTS, VERIFICATION, Condition, Diagnosis, EvidenceItem,
     Recommendation, diagnose, rate_limit_parallelism,
 )
 from .evidence import Evidence, build_evidence  # noqa: F401

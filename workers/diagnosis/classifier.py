@@ -10,6 +10,8 @@ Verdicts (the profiling guide's three bottlenecks, plus our own overhead):
   verification_bound         time goes to the verifier (CPU-heavy, or slow external calls)
   network_rate_limit_bound   429s / timeouts / connection errors, or throughput pinned at the RPM limit
   control_plane_bound        our own worker can't keep up: event loop lagging, slots not kept full
+  agent_server_bound         NeMo Gym agent jobs: /run time goes to the agent server itself (its own work,
+                             tools, its /verify call), not to the model server
   insufficient_evidence
 """
 from __future__ import annotations
@@ -24,14 +26,16 @@ MODEL = "model_inference_bound"
 VERIFICATION = "verification_bound"
 NETWORK = "network_rate_limit_bound"
 CONTROL_PLANE = "control_plane_bound"
+AGENT = "agent_server_bound"
 INSUFFICIENT = "insufficient_evidence"
-VERDICTS = (MODEL, VERIFICATION, NETWORK, CONTROL_PLANE, INSUFFICIENT)
+VERDICTS = (MODEL, VERIFICATION, NETWORK, CONTROL_PLANE, AGENT, INSUFFICIENT)
 
 VERDICT_LABELS = {
     MODEL: "Model inference",
     VERIFICATION: "Verification",
     NETWORK: "Network / API rate limits",
     CONTROL_PLANE: "Control plane (our own overhead)",
+    AGENT: "NeMo Gym agent server",
     INSUFFICIENT: "Not enough evidence",
 }
 
@@ -44,6 +48,7 @@ VERIFY_SHARE_BOUND = 0.40
 VERIFY_SHARE_DOMINANT = 0.60
 VERIFY_SHARE_SUPPORT = 0.20
 OVERHEAD_SHARE_BOUND = 0.30
+AGENT_SHARE_BOUND = 0.50  # agent jobs: share of /run time outside the model server
 # worker host
 CPU_MAIN_SATURATED_PCT = 85.0  # % of one core: the event loop process is busy all the time
 CPU_POOL_SATURATED_FRAC = 0.75  # verification pool CPU / all cores
@@ -150,7 +155,7 @@ def _fmt_pct(x: float | None) -> str:
 class _Rules:
     def __init__(self):
         self.items: list[EvidenceItem] = []
-        self.scores = {MODEL: 0.0, VERIFICATION: 0.0, NETWORK: 0.0, CONTROL_PLANE: 0.0}
+        self.scores = {MODEL: 0.0, VERIFICATION: 0.0, NETWORK: 0.0, CONTROL_PLANE: 0.0, AGENT: 0.0}
 
     def check(self, name: str, value, threshold, meaning: str, supports: str | None = None, weight: float = 0.0,
               op: str = ">=") -> bool:
@@ -207,6 +212,16 @@ def diagnose(ev: Evidence) -> Diagnosis:
         pool_frac = ev.cpu_children_pct / (100.0 * ev.cpu_cores)
     if ev.verify_share is not None and ev.verify_share >= VERIFY_SHARE_SUPPORT:
         r.check("verify_pool_cpu", pool_frac, CPU_POOL_SATURATED_FRAC, "CPU of the verification processes / all cores (CPU usage high during collection)", VERIFICATION, 1.5)
+
+    # ---- NeMo Gym agent server (agent jobs) -------------------------------------------------------
+    if ev.agent_job:
+        r.note("agent_run_ms_mean", ev.agent_run_ms, "mean /run time per rollout (ms): the agent's whole answer")
+        r.note("agent_model_ms_mean", ev.agent_model_ms, "model server time per rollout (ms, its /metrics e2e latency)")
+        r.note("agent_model_calls", ev.agent_model_calls, "model requests per rollout")
+        r.note("agent_own_ms_mean", ev.agent_own_ms, "/run time outside the model server per rollout (ms): the agent's "
+                                                     "work, tools and its /verify call")
+        r.check("agent_share", ev.agent_share, AGENT_SHARE_BOUND, "share of each rollout's /run time spent in the agent "
+                "server itself (its work, tools, its call to the resources server's /verify), not the model", AGENT, 3.0)
 
     # ---- model inference ------------------------------------------------------------------------
     lagging = (ev.loop_lag_p99_ms or 0) >= LOOP_LAG_P99_MS
@@ -487,6 +502,23 @@ def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: floa
         if not recs:
             recs.append(Recommendation("Check the endpoint's errors (5xx / 4xx) in the failed rollouts",
                                        "Request errors dominate the run.", None, None))
+    elif verdict == AGENT:
+        own = f"{ev.agent_own_ms:.0f} ms" if ev.agent_own_ms is not None else "most"
+        run = f" of {ev.agent_run_ms:.0f} ms" if ev.agent_run_ms is not None else ""
+        recs.append(Recommendation(
+            "Give the agent server more workers: set num_workers on the agent's config "
+            "(e.g. +<agent_name>.responses_api_agents.<impl>.num_workers=4 on ng_run), and on its resources server",
+            f"{own}{run} of each /run is spent in the agent, not the model server: one uvicorn worker runs the agent's "
+            "Python (tool calls, parsing, its /verify call) on one core.", "num_workers", None))
+        recs.append(Recommendation(
+            "Profile the resources server's verify() (start ng_run with +profiling_enabled=true; the job's profiling panel "
+            "pulls it)", "The agent waits for /verify inside each /run; a verifier that forks a process or calls out per "
+            "row shows up there.", "profile_seconds", 60))
+        recs.append(Recommendation(
+            "Do not raise parallelism to fix this: the model server is not the limit",
+            "More requests in flight queue in the agent server." + (
+                f" The model takes {ev.agent_model_ms:.0f} ms per rollout ({ev.agent_model_calls:.1f} calls)."
+                if ev.agent_model_ms is not None and ev.agent_model_calls is not None else ""), None, None))
     elif verdict == CONTROL_PLANE:
         recs.append(Recommendation("Move blocking work off the event loop (sink writes to a thread, CPU-heavy verifiers to the process pool: cpu_bound = True)",
                                    "The worker's event loop lags by {:.0f} ms (p99): requests and results wait for it.".format(ev.loop_lag_p99_ms or 0), None, None))

@@ -112,6 +112,14 @@ class Evidence:
     replica_error_top: str | None = None  # the replica with most of them
     replica_error_top_share: float | None = None
     profile_top: dict | None = None  # the job's profile: {function, module, line, share, flag, advice}
+    # NeMo Gym agent jobs (ticks' extra["agent_timing"]): each rollout is one POST /run; its time splits into
+    # the model server's (its /metrics) and the agent's own (its work, tools and its /verify call)
+    agent_job: bool = False
+    agent_run_ms: float | None = None  # mean /run time per rollout
+    agent_model_ms: float | None = None  # model server time per rollout (all its calls)
+    agent_model_calls: float | None = None  # model requests per rollout
+    agent_own_ms: float | None = None  # /run time - model time
+    agent_share: float | None = None  # agent_own_ms / agent_run_ms
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -261,6 +269,7 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
         ev.verify_share = min(1.0, (ev.verify_ms or 0.0) / ev.wall_ms)
         ev.overhead_share = max(0.0, 1.0 - ev.model_share - ev.verify_share)
     _verification_evidence(ev, ticks)
+    _agent_evidence(ev, groups)
     ttfts = [((tm.get("ttft_ms") or {}).get("mean"), tm.get("n") or 0) for tm in timings if tm.get("n")]
     if len(ttfts) >= 6:
         head = _wmean(ttfts[:2])
@@ -321,6 +330,49 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     ev.sweep = sweep
     _capacity(ev, vl_all, vl, ticks, config)
     return ev
+
+
+def _agent_evidence(ev: Evidence, groups: dict[str, list[dict]]) -> None:
+    """Agent jobs: sum the last cumulative `agent_timing` of each run (a count that goes down starts another
+    run: a chunk or a resume) and split /run time into model and agent. The model server's figures cover every
+    client it had: the split is exact when the job's runs are its only clients one at a time (the drop-in, one
+    worker); runs of one job at the same time each count the others' model requests too (model time too high)."""
+    totals = {"rollouts": 0.0, "run_ms": 0.0, "model_requests": 0.0, "model_ms": 0.0, "rollouts_at_model": 0.0,
+              "model_scrapes": 0.0}
+    runs = 0
+    for g in groups.values():
+        last = None
+        for t in g:
+            at = (t.get("extra") or {}).get("agent_timing")
+            if not isinstance(at, dict):
+                continue
+            if last is not None and (at.get("rollouts") or 0) < (last.get("rollouts") or 0):
+                for k in totals:
+                    totals[k] += float(last.get(k) or 0)
+                runs += 1
+            last = at
+        if last is not None:
+            for k in totals:
+                totals[k] += float(last.get(k) or 0)
+            runs += 1
+    if not runs:
+        return
+    ev.agent_job = True
+    if totals["rollouts"]:
+        ev.agent_run_ms = totals["run_ms"] / totals["rollouts"]
+        ev.wall_ms = ev.agent_run_ms if ev.wall_ms is None else ev.wall_ms
+    if totals["model_scrapes"] and totals["rollouts_at_model"]:
+        ev.agent_model_ms = totals["model_ms"] / totals["rollouts_at_model"]
+        ev.agent_model_calls = totals["model_requests"] / totals["rollouts_at_model"]
+    if ev.agent_run_ms and ev.agent_model_ms is not None:
+        model = min(ev.agent_model_ms, ev.agent_run_ms)
+        ev.agent_own_ms = ev.agent_run_ms - model
+        ev.agent_share = ev.agent_own_ms / ev.agent_run_ms
+        ev.model_share = model / ev.agent_run_ms
+    else:
+        ev.model_share = None
+    ev.verify_share = None  # the agent calls /verify itself: its time is in the agent's share
+    ev.overhead_share = None  # no engine-side stages to subtract: the slot time is the /run call
 
 
 def _verification_evidence(ev: Evidence, ticks: list[dict]) -> None:

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 from .aggregate import AggregateAccumulator, TimingAccumulator
-from .materialize import materialize
+from workers.task_index import TaskIndexer
+
+from .materialize import materialize_tasks
 from .runner import run_collection
 from .types import CollectionSpec, EndpointSpec
 from .verify_pool import shutdown_verify_pool
@@ -51,15 +53,18 @@ class JsonlSink:
 
 
 def _rows(path: Path, limit: int | None):
+    """(task index, occurrence, row) per non-blank line, numbered as ng_collect_rollouts does."""
+    indexer = TaskIndexer()
     with path.open() as f:
         n = 0
-        for i, line in enumerate(f):
+        for line in f:
             if not line.strip():
                 continue
             if limit is not None and n >= limit:
                 return
             n += 1
-            yield i, json.loads(line)
+            row = json.loads(line)
+            yield (*indexer.assign(row, line.rstrip("\r\n")), row)
 
 
 def main(argv=None) -> int:
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
     )
     sink = JsonlSink(args.output, not args.quiet)
     try:
-        summary = asyncio.run(run_collection(spec, materialize(_rows(args.input, args.limit), args.num_repeats), sink))
+        summary = asyncio.run(run_collection(spec, materialize_tasks(_rows(args.input, args.limit), args.num_repeats), sink))
     finally:
         shutdown_verify_pool()
     if not args.quiet:

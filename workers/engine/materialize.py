@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
+from workers.task_index import rollout_indices
+
 from .types import TaskItem
 
 
@@ -46,4 +48,15 @@ def materialize(rows: Iterable[tuple[int, dict[str, Any]]], num_repeats: int = 1
         except (TypeError, ValueError):
             raise ValueError(f"row {row_index}: _ng_task_index must be an integer, not {task_index!r}") from None
         for rollout_index in range(num_repeats):
+            yield TaskItem(task_index=task_index, rollout_index=rollout_index, row=row)
+
+
+def materialize_tasks(rows: Iterable[tuple[int, int, dict[str, Any]]], num_repeats: int = 1) -> Iterator[TaskItem]:
+    """TaskItems from stored rows that carry NeMo Gym's numbering: `rows` yields (task index, occurrence, row)
+    and the row's rollouts are occurrence*R .. occurrence*R+R-1 (identical lines share a task index and
+    continue its rollout count, as ng_collect_rollouts does; workers/task_index.py)."""
+    if num_repeats < 1:
+        raise ValueError("num_repeats must be >= 1")
+    for task_index, occurrence, row in rows:
+        for rollout_index in rollout_indices(occurrence, num_repeats):
             yield TaskItem(task_index=task_index, rollout_index=rollout_index, row=row)

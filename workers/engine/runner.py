@@ -51,6 +51,7 @@ from workers.verifiers.execution import VerifyExecutor
 
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
 from .materialize import merge_overrides
+from .sources import run_class_for
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
 from .replicas import ReplicaCut, ReplicaSet
 from .types import (
@@ -728,9 +729,8 @@ async def run_collection(
     CPU-bound verifiers run in `verify_pool` (default: the process's shared pool).
     """
     try:
-        from workers.nemo_gym.engine import run_class  # NeMo Gym agents (/run) and remote verifiers (/verify)
-
-        run = (run_class(spec) or _Run)(spec, sink, control, verify_pool)
+        # other sources (NeMo Gym agents' /run, remote /verify) are registered by their packages
+        run = run_class_for(spec, _Run)(spec, sink, control, verify_pool)
     except ValueError as exc:
         await sink.close()
         return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))

@@ -30,6 +30,7 @@ class Server:
     url: str  # http://host:port
     impl: str = ""  # e.g. simple_agent, math_with_judge, vllm_model
     refs: dict[str, str] = field(default_factory=dict)  # an agent's resources_server / model_server names
+    upstream: list[str] = field(default_factory=list)  # a model server's own model endpoints (its base_url)
 
 
 @dataclass
@@ -44,6 +45,17 @@ class Deployment:
     def agents(self) -> dict[str, str]:
         """agent name -> base URL"""
         return {n: s.url for n, s in self.servers.items() if s.kind == "agent"}
+
+    def model_upstreams(self, agents=None) -> list[str]:
+        """The model endpoints (e.g. vLLM) behind the model servers the given agents use (all agents: None)."""
+        names = {s.refs.get("model_server") for n, s in self.servers.items()
+                 if s.kind == "agent" and (agents is None or n in agents)}
+        out: list[str] = []
+        for n in sorted(x for x in names if x):
+            for u in getattr(self.servers.get(n), "upstream", None) or []:
+                if u not in out:
+                    out.append(u)
+        return out
 
     def public(self) -> dict:
         """Names, kinds and addresses only (safe to store and show)."""
@@ -63,6 +75,16 @@ def _host_for_url(host: str, head: str) -> str:
 
         return urlsplit(head).hostname or "127.0.0.1"
     return host
+
+
+def _interpolated(value, cfg: dict):
+    """`${policy_base_url}` (an OmegaConf interpolation the head server may leave unresolved) -> its value."""
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        node = cfg
+        for part in value[2:-1].split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+    return value
 
 
 def parse_config(head: str, payload) -> Deployment:
@@ -97,8 +119,12 @@ def parse_config(head: str, payload) -> Deployment:
             ref = inner.get(key)
             if isinstance(ref, dict) and isinstance(ref.get("name"), str):
                 refs[key] = ref["name"]
+        upstream = inner.get("base_url") if stype == "responses_api_models" else None
+        upstream = [upstream] if isinstance(upstream, str) else upstream if isinstance(upstream, list) else []
+        upstream = [_interpolated(u, cfg) for u in upstream]
         servers[str(name)] = Server(name=str(name), kind=SERVER_TYPES[stype], impl=str(impl), refs=refs,
-                                    url=f"http://{_host_for_url(str(inner['host']), head)}:{int(inner['port'])}")
+                                    url=f"http://{_host_for_url(str(inner['host']), head)}:{int(inner['port'])}",
+                                    upstream=[u for u in upstream if isinstance(u, str) and u.startswith("http")])
     if not servers:
         raise DeploymentError(f"{head} lists no NeMo Gym servers in its config")
     return Deployment(head_url=head, servers=servers)

@@ -6,7 +6,8 @@ control, progress, sink): only what one task does differs.
   they have none, by the endpoint's agent name (EndpointSpec.model). With a head server, the agents are
   found at run start and found again when an agent stops answering (a restarted `ng_run` gives its servers
   new ports). Failures are recorded by class (HTTP status, timeout, connection, the agent's own
-  `_ng_failure_class`) after bounded retries with backoff; the run goes on.
+  `_ng_failure_class`) after bounded retries with backoff; the run goes on. Each tick carries the split of
+  /run time into the model server's (its /metrics, found through the head server's config) and the agent's.
 * `RemoteVerifyRun` (verifier `nemo_gym`): the model is driven by the built-in engine and each response is
   scored by a resources server's `POST /verify`.
 """
@@ -20,14 +21,17 @@ from dataclasses import replace
 import aiohttp
 
 from workers.engine.pacing import backoff_delay
+from workers.engine.sources import register_flavor, register_verifier
 from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason
 from workers.engine.types import FailureClass, RolloutResult, RunSummary, TaskItem
+from workers.telemetry.vllm import VllmScraper
 
-from . import HEAD_FLAVOR
+from . import AGENT_FLAVOR, HEAD_FLAVOR, REMOTE_VERIFIER
 from .deployment import DeploymentError, resolve
 from .rows import FAILURE_CLASS_KEY, agent_of, output_row, run_body, verify_fields
 
 RERESOLVE_MIN_INTERVAL_S = 2.0
+MODEL_SCRAPE_INTERVAL_S = 2.0  # the model server's /metrics, for the agent / model split of /run time
 
 
 def _number(value):
@@ -58,6 +62,30 @@ class _EmitMixin:
                 self.workers[me] = "busy"
 
 
+class _LastTickWaitsForScrape:
+    """The run's sink, whose last progress tick (sent once the work is done) waits briefly for the model
+    server's final scrape, so a short run still gets its agent / model split."""
+
+    def __init__(self, run: "AgentRun", inner):
+        self._run, self._inner = run, inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def rollout(self, result):
+        await self._inner.rollout(result)
+
+    async def progress(self, tick):
+        task = getattr(self._run, "scrape_task", None)
+        if self._run.done_event.is_set() and task is not None and not task.done():
+            await asyncio.wait({task}, timeout=3.0)
+            tick.extra["agent_timing"] = dict(self._run.timing)
+        await self._inner.progress(tick)
+
+    async def close(self):
+        await self._inner.close()
+
+
 class AgentRun(_EmitMixin, _Run):
     ROUTES_REPLICAS = False  # its base URLs are a head server or agents, routed by _urls_for
 
@@ -69,11 +97,58 @@ class AgentRun(_EmitMixin, _Run):
         self.agent_urls: dict[str | None, list[str]] = {}
         self.resolved_at = 0.0
         self.resolve_lock = asyncio.Lock()
+        self.deployment = None
+        self.scrape_task = None
+        self.sink = _LastTickWaitsForScrape(self, self.sink)
+        # Cumulative over the run, sent in every tick as extra["agent_timing"]: /run answers and their time;
+        # the model server's requests and seconds (its /metrics e2e histogram) since the run started, and
+        # how many /run answers had come back at that scrape (so both sides cover the same span).
+        self.timing = {"rollouts": 0, "run_ms": 0.0, "model_requests": 0, "model_ms": 0.0, "rollouts_at_model": 0,
+                       "model_scrapes": 0}
 
     async def _resolve(self, session=None) -> None:
         dep = await resolve(self.head, timeout_s=max(2.0, self.ep.connect_timeout_s), session=session)
         self.agent_urls = {name: [url] for name, url in dep.agents.items()}
+        self.deployment = dep
         self.resolved_at = time.monotonic()
+
+    async def _scrape_model_loop(self, upstreams: list[str]) -> None:
+        """The model server's time per rollout, from its /metrics: NeMo Gym's agents report no timing of their
+        own, so /run time minus model time is the agent's (its work, tools and its /verify call)."""
+        scraper = VllmScraper(upstreams, timeout_s=2.0)
+        finishing = False
+        at_scrape = 0
+        try:
+            while True:
+                res = await scraper.scrape()
+                if res.get("unsupported"):
+                    return
+                e2e = res.get("e2e") or {}
+                if res.get("ok") and not res.get("baseline") and e2e.get("count"):
+                    self.timing["model_requests"] += int(e2e["count"])
+                    self.timing["model_ms"] += float(e2e["count"]) * float(e2e.get("mean") or 0.0) * 1000.0
+                if res.get("ok") and not res.get("baseline"):
+                    self.timing["rollouts_at_model"] = at_scrape
+                    self.timing["model_scrapes"] += 1
+                if finishing:
+                    return
+                try:  # every interval, and once more when the run's work is done (the last tick waits for it)
+                    await asyncio.wait_for(self.done_event.wait(), MODEL_SCRAPE_INTERVAL_S)
+                    finishing = True
+                except asyncio.TimeoutError:
+                    pass
+                at_scrape = self.timing["rollouts"]
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # timing is a nicety: never fail the run for it
+            return
+        finally:
+            await scraper.close()
+
+    def _tick(self):
+        tick = super()._tick()
+        tick.extra["agent_timing"] = dict(self.timing)
+        return tick
 
     async def _reresolve(self) -> None:
         """An agent stopped answering: ask the head server again (throttled; errors leave the old map)."""
@@ -102,7 +177,14 @@ class AgentRun(_EmitMixin, _Run):
                                               f"(agents: {known})")
         else:
             self.agent_urls = {None: self.base_urls}
-        return await super().run(tasks)
+        upstreams = self.deployment.model_upstreams() if self.deployment is not None else []
+        self.scrape_task = asyncio.create_task(self._scrape_model_loop(upstreams)) if upstreams else None
+        try:
+            return await super().run(tasks)
+        finally:
+            if self.scrape_task is not None:
+                self.scrape_task.cancel()
+                await asyncio.gather(self.scrape_task, return_exceptions=True)
 
     def _urls_for(self, agent: str | None) -> list[str] | None:
         if self.head is None:
@@ -131,6 +213,8 @@ class AgentRun(_EmitMixin, _Run):
         try:
             answer, unreachable = (await self._run_with_retries(agent, body, result)) if routable else (None, False)
             if answer is not None:
+                self.timing["rollouts"] += 1
+                self.timing["run_ms"] += (time.monotonic() - t_slot) * 1000.0
                 self._take_answer(answer, body, result)
             elif unreachable and self.completed == 0 and self.other_outcomes == 0:
                 if not self.fatal_error:
@@ -275,12 +359,7 @@ class RemoteVerifyRun(_Run):
         result.verify_ms = (time.monotonic() - t0) * 1000.0
 
 
-def run_class(spec):
-    """The run class for a spec, or None for the built-in one."""
-    from . import FLAVORS, REMOTE_VERIFIER
-
-    if spec.endpoint.api_flavor in FLAVORS:
-        return AgentRun
-    if spec.verifier == REMOTE_VERIFIER and spec.verify_mode != "deferred":
-        return RemoteVerifyRun
-    return None
+# the engine finds these runs through its registry (it never imports this package)
+register_flavor(AGENT_FLAVOR, AgentRun)
+register_flavor(HEAD_FLAVOR, AgentRun)
+register_verifier(REMOTE_VERIFIER, RemoteVerifyRun)
