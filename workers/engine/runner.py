@@ -50,6 +50,7 @@ from workers.verifiers.base import Verifier
 from workers.verifiers.execution import VerifyExecutor
 
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
+from .fdlimit import check_open_file_limit
 from .materialize import merge_overrides
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
 from .types import (
@@ -636,6 +637,7 @@ class _Run:
 
     # ---------------------------------------------------------------- main
     async def run(self, tasks) -> RunSummary:
+        check_open_file_limit(self.target)  # one socket per request in flight
         self.connector = aiohttp.TCPConnector(limit=self.target, limit_per_host=0, ttl_dns_cache=300)
         aux: list[asyncio.Task] = []
         try:
