@@ -253,8 +253,16 @@ def inflight_mode(args) -> dict:
                           row={"responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
                                "expected_answer": str(i + 1)}) for i in range(n))
         t0 = time.monotonic()
-        summary = asyncio.run(run_collection(spec, tasks, sink))
+        if args.profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            summary = prof.runcall(asyncio.run, run_collection(spec, tasks, sink))
+            prof.dump_stats(args.profile)
+        else:
+            summary = asyncio.run(run_collection(spec, tasks, sink))
         wall = time.monotonic() - t0
+        cpu = psutil.Process().cpu_times()
     finally:
         sampler.stop.set()
         sampler.join()
@@ -302,6 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--waves", type=int, default=4, help="rollouts = waves x in flight (default 4)")
     p.add_argument("--inflight-verifier", default="none", help="verifier in 'inflight' (default none: the "
                    "transport is measured; 'math' adds math-verify in the process pool)")
+    p.add_argument("--profile", default=None, metavar="PATH", help="'inflight': cProfile the engine into PATH")
     p.add_argument("--db", default=DEFAULT_DB, help=f"bench database, created and dropped (default {DEFAULT_DB})")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
