@@ -23,7 +23,6 @@ PostgreSQL, so more workers help only as far as CPU is free; on separate hosts e
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import os
@@ -46,13 +45,13 @@ DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/bench_scale"
 MB = 1 / 2**20
 
 
-def start_simulator(ttft_ms: float, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_simulator(ttft_ms: float, max_num_seqs: int, loop: str = "asyncio") -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--host", "127.0.0.1", "--port", "0",
                              "--model", MODEL, "--ttft-ms", str(ttft_ms), "--itl-ms", "0", "--jitter", "0",
                              "--seed", "0", "--max-num-seqs", str(max_num_seqs), "--max-queue", str(max_num_seqs * 4),
                              "--kv-cache-tokens", str(max_num_seqs * 512), "--max-model-len", "4096"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=_raise_nofile)
+                            preexec_fn=_raise_nofile, env={**os.environ, "SIM_EVENT_LOOP": loop})
     line = proc.stdout.readline()
     if "http://" not in line:
         proc.kill()
@@ -157,6 +156,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
 
 
 def workers_mode(args, tmp: Path, queue: str) -> dict:
+    os.environ["ENGINE_EVENT_LOOP"] = args.worker_loop  # the Worker processes inherit it
     sim, sim_url = start_simulator(args.latency_ms, max_num_seqs=max(1024, args.parallelism * 2))
     print(f"simulator {sim_url} ({args.latency_ms:.0f} ms), parallelism {args.parallelism} (bound "
           f"{args.parallelism / (args.latency_ms / 1000):.0f} rollouts/s), verifier {args.verifier}, {os.cpu_count()} CPUs",
@@ -229,7 +229,29 @@ class CountingSink:
 
 
 def inflight_mode(args) -> dict:
+    results = [inflight_once(args, loop) for loop in args.loops]
+    conc, latency = args.inflight, args.latency_s
+    print(f"\n{conc} requests in flight through the engine at {latency:.0f} s latency ({args.waves} waves, verifier "
+          f"{args.inflight_verifier}); event loop of the engine and the simulator side by side:")
+    print_table(["loop", "in flight", "rollouts", "ok", "failed", "wall s", "rollouts/s", "bound", "ratio", ">= 0.9",
+                 "max in flight seen", "engine peak RSS MB", "+children MB", "simulator peak RSS MB",
+                 "CPU ms/rollout engine", "simulator", "errors"],
+                [[r["loop"], conc, r["rollouts"], r["ok"], r["failed"], f"{r['wall_s']:.1f}", f"{r['rps']:.0f}",
+                  f"{r['bound']:.0f}", f"{r['ratio']:.2f}", "yes" if r["ratio"] >= 0.9 and not r["failed"] else "NO",
+                  r["max_in_flight_seen"], f"{r['engine_peak_rss_mb']:.0f}",
+                  f"{r['engine_peak_rss_with_children_mb']:.0f}", f"{r['simulator_peak_rss_mb']:.0f}",
+                  f"{r['engine_cpu_ms_per_rollout']:.2f}", f"{r['simulator_cpu_ms_per_rollout']:.2f}",
+                  r["errors"] or "none"] for r in results])
+    print(f"rollouts/s = rollouts / wall, wall from the engine's start to its last result ({args.waves} waves: "
+          f"the ideal wall is {args.waves} x {latency:.0f} s); bound = in flight / latency. CPU ms/rollout: user+system "
+          f"CPU of the engine process / of the simulator over the run: at the bound, (engine + simulator) x "
+          f"{conc / latency:.0f}/s must fit in the free cores.")
+    return {"inflight": results}
+
+
+def inflight_once(args, loop: str) -> dict:
     from workers.engine.fdlimit import open_file_limit, raise_open_file_limit
+    from workers.engine.loop import run as run_on_loop
     from workers.engine.runner import run_collection
     from workers.engine.types import CollectionSpec, EndpointSpec, TaskItem
 
@@ -237,8 +259,8 @@ def inflight_mode(args) -> dict:
     soft, hard = open_file_limit()
     conc, latency = args.inflight, args.latency_s
     n = args.waves * conc
-    sim, sim_url = start_simulator(latency * 1000, max_num_seqs=conc + 1024)
-    print(f"simulator {sim_url} ({latency:.0f} s), {conc} in flight x {args.waves} waves = {n} rollouts, "
+    sim, sim_url = start_simulator(latency * 1000, max_num_seqs=conc + 1024, loop=loop)
+    print(f"[{loop}] simulator {sim_url} ({latency:.0f} s), {conc} in flight x {args.waves} waves = {n} rollouts, "
           f"open-file limit {soft} (hard {hard}), verifier {args.inflight_verifier}", flush=True)
     sink = CountingSink()
     sampler = RssSampler([os.getpid(), sim.pid], children=True)
@@ -252,17 +274,22 @@ def inflight_mode(args) -> dict:
         tasks = (TaskItem(task_index=i, rollout_index=0,
                           row={"responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
                                "expected_answer": str(i + 1)}) for i in range(n))
+        cpu_engine0 = sum(psutil.Process().cpu_times()[:2])
         t0 = time.monotonic()
         if args.profile:
             import cProfile
 
             prof = cProfile.Profile()
-            summary = prof.runcall(asyncio.run, run_collection(spec, tasks, sink))
-            prof.dump_stats(args.profile)
+            summary = prof.runcall(run_on_loop, run_collection(spec, tasks, sink), loop)
+            prof.dump_stats(f"{args.profile}.{loop}")
         else:
-            summary = asyncio.run(run_collection(spec, tasks, sink))
+            summary = run_on_loop(run_collection(spec, tasks, sink), loop)
         wall = time.monotonic() - t0
-        cpu = psutil.Process().cpu_times()
+        cpu_engine = sum(psutil.Process().cpu_times()[:2]) - cpu_engine0
+        try:
+            cpu_sim = sum(psutil.Process(sim.pid).cpu_times()[:2])
+        except psutil.Error:
+            cpu_sim = float("nan")
     finally:
         sampler.stop.set()
         sampler.join()
@@ -271,23 +298,17 @@ def inflight_mode(args) -> dict:
     bound = conc / latency
     done = sink.ok + sink.failed
     rps = done / wall
-    r = {"in_flight": conc, "latency_s": latency, "rollouts": n, "ok": sink.ok, "failed": sink.failed,
+    r = {"loop": loop, "in_flight": conc, "latency_s": latency, "rollouts": n, "ok": sink.ok, "failed": sink.failed,
          "errors": dict(sink.classes), "wall_s": wall, "rps": rps, "bound": bound, "ratio": rps / bound,
          "max_in_flight_seen": sink.max_in_flight, "engine_peak_rss_mb": sampler.peak_own[os.getpid()] * MB,
          "engine_peak_rss_with_children_mb": sampler.peak_total[os.getpid()] * MB,
          "simulator_peak_rss_mb": sampler.peak_own[sim.pid] * MB, "nofile": [soft, hard],
-         "fatal": summary.fatal_error}
-    print(f"\n{conc} requests in flight through the engine at {latency:.0f} s latency ({args.waves} waves, verifier "
-          f"{args.inflight_verifier}):")
-    print_table(["in flight", "rollouts", "ok", "failed", "wall s", "rollouts/s", "bound", "ratio", ">= 0.9",
-                 "max in flight seen", "engine peak RSS MB", "+children MB", "simulator peak RSS MB", "errors"],
-                [[conc, n, sink.ok, sink.failed, f"{wall:.1f}", f"{rps:.0f}", f"{bound:.0f}", f"{r['ratio']:.2f}",
-                  "yes" if r["ratio"] >= 0.9 and not sink.failed else "NO", sink.max_in_flight,
-                  f"{r['engine_peak_rss_mb']:.0f}", f"{r['engine_peak_rss_with_children_mb']:.0f}",
-                  f"{r['simulator_peak_rss_mb']:.0f}", dict(sink.classes) or "none"]])
-    print(f"rollouts/s = rollouts / wall, wall from the engine's start to its last result ({args.waves} waves: "
-          f"the ideal wall is {args.waves} x {latency:.0f} s); bound = in flight / latency.")
-    return {"inflight": r}
+         "fatal": summary.fatal_error, "engine_cpu_ms_per_rollout": cpu_engine * 1000 / max(1, done),
+         "simulator_cpu_ms_per_rollout": cpu_sim * 1000 / max(1, done)}
+    print(f"  [{loop}] {r['rps']:.0f} rollouts/s = {r['ratio']:.2f} x bound, {r['failed']} failed, max in flight "
+          f"{r['max_in_flight_seen']}", flush=True)
+    return r
+
 
 
 def main(argv=None) -> int:
@@ -302,14 +323,17 @@ def main(argv=None) -> int:
     p.add_argument("--parallelism", type=int, default=512, help="the job's total num_samples_in_parallel (default 512)")
     p.add_argument("--latency-ms", type=float, default=200.0, help="simulator latency for 'workers' (default 200)")
     p.add_argument("--verifier", default="math", help="the job's verifier in 'workers' (default math)")
+    p.add_argument("--worker-loop", default="asyncio", help="'workers': ENGINE_EVENT_LOOP of the workers (default asyncio)")
     p.add_argument("--chunk-size", type=int, default=0, help="job chunk size (default: N / (4 x max workers))")
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default 8)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--inflight", type=int, default=16_384, help="requests in flight for 'inflight' (default 16384)")
     p.add_argument("--latency-s", type=float, default=10.0, help="simulator latency for 'inflight' (default 10)")
-    p.add_argument("--waves", type=int, default=4, help="rollouts = waves x in flight (default 4)")
+    p.add_argument("--waves", type=int, default=2, help="rollouts = waves x in flight (default 4)")
     p.add_argument("--inflight-verifier", default="none", help="verifier in 'inflight' (default none: the "
                    "transport is measured; 'math' adds math-verify in the process pool)")
+    p.add_argument("--loops", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["asyncio", "uvloop"],
+                   help="'inflight': event loops to compare (engine and simulator; default asyncio,uvloop)")
     p.add_argument("--profile", default=None, metavar="PATH", help="'inflight': cProfile the engine into PATH")
     p.add_argument("--db", default=DEFAULT_DB, help=f"bench database, created and dropped (default {DEFAULT_DB})")
     p.add_argument("--json", default=None, help="also write the results to this file")

@@ -714,4 +714,6 @@ async def run_collection(
 def run_collection_sync(*args, **kwargs) -> RunSummary:
     """`run_collection(spec, tasks, sink, control=None, verify_pool=None)` in a fresh event loop (for threads,
     Celery tasks and scripts)."""
-    return asyncio.run(run_collection(*args, **kwargs))
+    from .loop import run
+
+    return run(run_collection(*args, **kwargs))
