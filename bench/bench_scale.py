@@ -229,10 +229,10 @@ class CountingSink:
 
 
 def inflight_mode(args) -> dict:
-    results = [inflight_once(args, loop) for loop in args.loops]
+    results = [inflight_once(args, arm) for arm in args.loops]
     conc, latency = args.inflight, args.latency_s
     print(f"\n{conc} requests in flight through the engine at {latency:.0f} s latency ({args.waves} waves, verifier "
-          f"{args.inflight_verifier}); event loop of the engine and the simulator side by side:")
+          f"{args.inflight_verifier}); event loop of the engine and the simulator (-plain: not streamed) side by side:")
     print_table(["loop", "in flight", "rollouts", "ok", "failed", "wall s", "rollouts/s", "bound", "ratio", ">= 0.9",
                  "max in flight seen", "engine peak RSS MB", "+children MB", "simulator peak RSS MB",
                  "CPU ms/rollout engine", "simulator", "errors"],
@@ -249,7 +249,9 @@ def inflight_mode(args) -> dict:
     return {"inflight": results}
 
 
-def inflight_once(args, loop: str) -> dict:
+def inflight_once(args, arm: str) -> dict:
+    """arm: an event loop name (asyncio, uvloop), '-plain' for non-streaming requests (no SSE: no TTFT)."""
+    loop, _, plain = arm.partition("-")
     from workers.engine.fdlimit import open_file_limit, raise_open_file_limit
     from workers.engine.loop import run as run_on_loop
     from workers.engine.runner import run_collection
@@ -260,7 +262,7 @@ def inflight_once(args, loop: str) -> dict:
     conc, latency = args.inflight, args.latency_s
     n = args.waves * conc
     sim, sim_url = start_simulator(latency * 1000, max_num_seqs=conc + 1024, loop=loop)
-    print(f"[{loop}] simulator {sim_url} ({latency:.0f} s), {conc} in flight x {args.waves} waves = {n} rollouts, "
+    print(f"[{arm}] simulator {sim_url} ({latency:.0f} s), {conc} in flight x {args.waves} waves = {n} rollouts, "
           f"open-file limit {soft} (hard {hard}), verifier {args.inflight_verifier}", flush=True)
     sink = CountingSink()
     sampler = RssSampler([os.getpid(), sim.pid], children=True)
@@ -269,7 +271,7 @@ def inflight_once(args, loop: str) -> dict:
     try:
         spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim_url], model=MODEL, request_timeout_s=latency * 6,
                                                     connect_timeout_s=30.0, max_retries=2),
-                              parallelism=conc, verifier=args.inflight_verifier,
+                              parallelism=conc, verifier=args.inflight_verifier, stream=plain != "plain",
                               responses_create_params={"max_output_tokens": args.max_tokens})
         tasks = (TaskItem(task_index=i, rollout_index=0,
                           row={"responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
@@ -281,7 +283,7 @@ def inflight_once(args, loop: str) -> dict:
 
             prof = cProfile.Profile()
             summary = prof.runcall(run_on_loop, run_collection(spec, tasks, sink), loop)
-            prof.dump_stats(f"{args.profile}.{loop}")
+            prof.dump_stats(f"{args.profile}.{arm}")
         else:
             summary = run_on_loop(run_collection(spec, tasks, sink), loop)
         wall = time.monotonic() - t0
@@ -298,14 +300,14 @@ def inflight_once(args, loop: str) -> dict:
     bound = conc / latency
     done = sink.ok + sink.failed
     rps = done / wall
-    r = {"loop": loop, "in_flight": conc, "latency_s": latency, "rollouts": n, "ok": sink.ok, "failed": sink.failed,
+    r = {"loop": arm, "in_flight": conc, "latency_s": latency, "rollouts": n, "ok": sink.ok, "failed": sink.failed,
          "errors": dict(sink.classes), "wall_s": wall, "rps": rps, "bound": bound, "ratio": rps / bound,
          "max_in_flight_seen": sink.max_in_flight, "engine_peak_rss_mb": sampler.peak_own[os.getpid()] * MB,
          "engine_peak_rss_with_children_mb": sampler.peak_total[os.getpid()] * MB,
          "simulator_peak_rss_mb": sampler.peak_own[sim.pid] * MB, "nofile": [soft, hard],
          "fatal": summary.fatal_error, "engine_cpu_ms_per_rollout": cpu_engine * 1000 / max(1, done),
          "simulator_cpu_ms_per_rollout": cpu_sim * 1000 / max(1, done)}
-    print(f"  [{loop}] {r['rps']:.0f} rollouts/s = {r['ratio']:.2f} x bound, {r['failed']} failed, max in flight "
+    print(f"  [{arm}] {r['rps']:.0f} rollouts/s = {r['ratio']:.2f} x bound, {r['failed']} failed, max in flight "
           f"{r['max_in_flight_seen']}", flush=True)
     return r
 
@@ -332,8 +334,9 @@ def main(argv=None) -> int:
     p.add_argument("--waves", type=int, default=2, help="rollouts = waves x in flight (default 4)")
     p.add_argument("--inflight-verifier", default="none", help="verifier in 'inflight' (default none: the "
                    "transport is measured; 'math' adds math-verify in the process pool)")
-    p.add_argument("--loops", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["asyncio", "uvloop"],
-                   help="'inflight': event loops to compare (engine and simulator; default asyncio,uvloop)")
+    p.add_argument("--loops", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["asyncio", "uvloop", "uvloop-plain"],
+                   help="'inflight': arms to compare: the event loop of the engine and the simulator, '-plain' = "
+                        "non-streaming requests (default asyncio,uvloop,uvloop-plain)")
     p.add_argument("--profile", default=None, metavar="PATH", help="'inflight': cProfile the engine into PATH")
     p.add_argument("--db", default=DEFAULT_DB, help=f"bench database, created and dropped (default {DEFAULT_DB})")
     p.add_argument("--json", default=None, help="also write the results to this file")
