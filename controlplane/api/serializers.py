@@ -376,7 +376,8 @@ class JobWorkerSerializer(serializers.Serializer):
     alive = serializers.BooleanField(help_text="holds a chunk and heartbeated within the lease timeout")
     chunks_held = serializers.IntegerField(help_text="chunks it holds now")
     chunks_done = serializers.IntegerField(help_text="chunks it finished")
-    rollouts = serializers.IntegerField(help_text="rollouts its chunk runs stored (ok + failed)")
+    rollouts = serializers.IntegerField(help_text="rollouts (ok + failed) its chunk runs reported in their last progress "
+                                                  "sample (a killed worker's last second is not in it)")
     rollouts_per_s = serializers.FloatField(help_text="its current rate (0 when not alive)")
     in_flight = serializers.IntegerField()
     last_heartbeat = serializers.DateTimeField(allow_null=True)

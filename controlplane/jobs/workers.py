@@ -40,7 +40,7 @@ def _latest_samples(job_id):
 def job_workers(job, now=None) -> list[dict]:
     """One dict per worker process that ran part of the job, live ones first:
     host, pid, worker (its name without the thread), chunks_held (running leases now), chunks_done,
-    rollouts (stored by its chunk runs, ok + failed), rollouts_per_s (its current rate, 0 when idle),
+    rollouts (ok + failed, as its chunk runs last reported them), rollouts_per_s (its current rate, 0 when idle),
     in_flight, last_heartbeat (ISO time or None), alive (heartbeat younger than the lease timeout)."""
     now = now or timezone.now()
     workers: dict[tuple[str, str], dict] = {}
