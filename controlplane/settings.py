@@ -175,6 +175,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBIL
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 # The queue tasks go to when not routed elsewhere (tests run isolated workers on a queue of their own).
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="celery")
+# Routing: a job's chunks go to its endpoint's queue, so workers started with `-Q <queue>` on the host
+# next to that model server take them. Endpoint.worker_queue wins; else this map of endpoint name ->
+# queue (env: JOBS_ENDPOINT_QUEUES="llama-70b=gpu-a,qwen=gpu-b"); else CELERY_TASK_DEFAULT_QUEUE.
+JOBS_ENDPOINT_QUEUES = env.dict("JOBS_ENDPOINT_QUEUES", default={})
 CELERY_BEAT_SCHEDULE = {
     # Re-dispatch chunks whose worker died (stale lease), flag stalled jobs, finalize stragglers.
     "jobs-watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": env.float("JOBS_WATCHDOG_INTERVAL_S", default=10.0)},

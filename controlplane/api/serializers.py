@@ -182,7 +182,7 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
 
     class Meta:
         model = Endpoint
-        fields = ["id", "name", "kind", "base_url", "replica_urls", "model_name", "api_flavor", "api_key",
+        fields = ["id", "name", "kind", "base_url", "replica_urls", "model_name", "api_flavor", "worker_queue", "api_key",
                   "has_api_key", "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit",
                   "tpm_limit", "replica_affinity", "last_health", "last_health_at", "last_prewarm", "owner",
                   "created_at"]
@@ -397,6 +397,26 @@ class JobMetricSampleSerializer(serializers.ModelSerializer):
         fields = ["id", "t", "worker", "elapsed_s", "completed", "failed", "samples_per_s", "output_tokens_per_s",
                   "in_flight", "parallelism", "errors", "extra"]
         read_only_fields = fields
+
+
+class JobWorkerSerializer(serializers.Serializer):
+    """A worker process that ran part of a job (controlplane.jobs.workers.job_workers)."""
+    host = serializers.CharField(help_text="the worker's hostname")
+    pid = serializers.IntegerField(allow_null=True)
+    worker = serializers.CharField(help_text="host:pid")
+    alive = serializers.BooleanField(help_text="holds a chunk and heartbeated within the lease timeout")
+    chunks_held = serializers.IntegerField(help_text="chunks it holds now")
+    chunks_done = serializers.IntegerField(help_text="chunks it finished")
+    rollouts = serializers.IntegerField(help_text="rollouts (ok + failed) its chunk runs reported in their last progress "
+                                                  "sample (a killed worker's last second is not in it)")
+    rollouts_per_s = serializers.FloatField(help_text="its current rate (0 when not alive)")
+    in_flight = serializers.IntegerField()
+    last_heartbeat = serializers.DateTimeField(allow_null=True)
+
+
+class JobWorkersSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    workers = JobWorkerSerializer(many=True)
 
 
 class ExportQuerySerializer(serializers.Serializer):

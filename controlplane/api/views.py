@@ -300,6 +300,15 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         job.refresh_from_db()
         return Response(s.JobDetailSerializer(job).data)
 
+    @extend_schema(summary="The worker processes running (or that ran) the job: host, pid, chunks held, "
+                           "rollouts/s, last heartbeat", responses={200: s.JobWorkersSerializer, **errors(401, 404)})
+    @action(detail=True, methods=["get"])
+    def workers(self, request, pk=None):
+        from controlplane.jobs.workers import job_workers
+
+        job = self.get_object()
+        return Response({"job": job.pk, "workers": job_workers(job)})
+
     @extend_schema(summary="Cancel (queued, running or paused jobs)", request=None,
                    responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
     @action(detail=True, methods=["post"])

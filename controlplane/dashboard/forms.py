@@ -56,8 +56,8 @@ class EndpointForm(forms.ModelForm):
 
     class Meta:
         model = Endpoint
-        fields = ["name", "kind", "base_url", "model_name", "api_flavor", "api_key", "request_timeout_s",
-                  "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit", "replica_affinity"]
+        fields = ["name", "kind", "base_url", "model_name", "api_flavor", "worker_queue", "api_key",
+                  "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit", "replica_affinity"]
         widgets = {"api_key": forms.PasswordInput(render_value=False)}
 
     def clean_replica_urls_text(self):

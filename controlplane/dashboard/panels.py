@@ -26,12 +26,22 @@ def _verification(job):
     return panel_context(job)
 
 
+def _workers(job):
+    from django.conf import settings
+
+    from controlplane.jobs.services import chunk_queue
+    from controlplane.jobs.workers import job_workers
+
+    return {"workers": job_workers(job), "queue": chunk_queue(job) or settings.CELERY_TASK_DEFAULT_QUEUE}
+
+
 JOB_PANELS: list[Panel] = [
     Panel("progress", "dashboard/panels/progress.html", live=True),
     Panel("actions", "dashboard/panels/actions.html", live=True),
     Panel("charts", "dashboard/panels/charts.html", live=True),
     Panel("metrics", "dashboard/panels/metrics.html"),
     Panel("verification", "dashboard/panels/verification.html", context=lambda request, job: _verification(job)),
+    Panel("workers", "dashboard/panels/workers.html", context=lambda request, job: _workers(job)),
     Panel("timing", "dashboard/panels/timing.html"),
     Panel("errors", "dashboard/panels/errors.html"),
     Panel("parameters", "dashboard/panels/parameters.html"),

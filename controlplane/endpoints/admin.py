@@ -43,7 +43,8 @@ class EndpointAdmin(admin.ModelAdmin):
     exclude = ("last_health",)
     actions = ["action_check_health", "action_prewarm"]
     fieldsets = (
-        (None, {"fields": ("name", "owner", "kind", "base_url", "replica_urls", "model_name", "api_flavor")}),
+        (None, {"fields": ("name", "owner", "kind", "base_url", "replica_urls", "model_name", "api_flavor",
+                           "worker_queue")}),
         ("Credentials", {"fields": ("api_key", "clear_api_key")}),
         ("Limits", {"fields": ("request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit")}),
         ("Health", {"fields": ("last_health_display", "last_health_at", "created_at")}),

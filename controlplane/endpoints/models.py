@@ -1,6 +1,7 @@
 """Model endpoints: vLLM or any OpenAI-compatible server, with one or several replicas."""
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import RegexValidator
 from django.db import models
 
 from controlplane.limits import endpoint_errors
@@ -27,6 +28,10 @@ class Endpoint(models.Model):
         default=True, help_text="Send the repeats of one task to one replica (its prefix cache serves the shared prompt); "
                                 "a replica out of rotation or overloaded is left for the least loaded one")
     model_name = models.CharField(max_length=300)
+    worker_queue = models.CharField(
+        max_length=200, blank=True, validators=[RegexValidator(r"^[A-Za-z0-9_.:@-]*$", "letters, digits and _ . : @ - only")],
+        help_text="Celery queue whose workers run this endpoint's chunks (start them with `-Q <queue>`, e.g. on "
+                  "the GPU host); empty: JOBS_ENDPOINT_QUEUES, else the default queue")
     api_flavor = models.CharField(max_length=30, choices=Flavor.choices, default=Flavor.CHAT)
     api_key = models.CharField(max_length=500, blank=True)  # write-only everywhere it is exposed
     request_timeout_s = models.FloatField(default=600.0)

@@ -2,7 +2,7 @@
 inline runner (run_job_inline, here) both call run_chunk, so there is one code path.
 
 Worker command (threads pool: prefork children are daemonic and cannot host the engine's
-verification process pool; the engine runs in the task's own thread with asyncio.run):
+verification process pool; the engine runs in the task's own thread with asyncio.run, or uvloop with ENGINE_EVENT_LOOP=uvloop):
 
     celery -A controlplane worker -P threads -c 4 -l info
     celery -A controlplane beat -l info          # schedules tasks.watchdog every ~10 s
@@ -15,7 +15,6 @@ overlap harmless, so the job ends with exactly one row per pair.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -32,6 +31,7 @@ from django.utils import timezone
 from controlplane.endpoints.services import endpoint_spec
 from controlplane.monitoring.metrics import record_chunk_run, record_lease_taken
 from controlplane.profiling.services import profile_run
+from workers.engine.loop import run as run_on_loop
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
 import workers.nemo_gym.engine  # noqa: F401  (registers the NeMo Gym rollout sources: agents' /run, remote /verify)
@@ -165,7 +165,7 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
             spec = build_spec(job, worker_name)
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
             control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
-            summary = asyncio.run(run_collection(spec, tasks, *profile_run(  # profiling switched on / off while it runs
+            summary = run_on_loop(run_collection(spec, tasks, *profile_run(  # profiling switched on / off while it runs
                 job, *instrument_run(spec, sink, control, instrumentation(job)), db=db, worker_name=worker_name)))
         finally:
             db.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from celery import current_app
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Count
@@ -39,9 +40,19 @@ __all__ = [
 ]
 
 
-def send_task(name, *args):
-    """Send a registered Celery task (honours task_always_eager; the jobs app registers its tasks when ready)."""
-    return current_app.tasks[name].delay(*args)
+def send_task(name, *args, queue=None):
+    """Send a registered Celery task (honours task_always_eager; the jobs app registers its tasks when ready)
+    to `queue`, or to the default queue when None."""
+    task = current_app.tasks[name]
+    return task.apply_async(args, queue=queue) if queue else task.delay(*args)
+
+
+def chunk_queue(job) -> str | None:
+    """The Celery queue of a job's chunks: its endpoint's worker_queue, else settings.JOBS_ENDPOINT_QUEUES by
+    endpoint name, else None (the default queue)."""
+    endpoint = job.endpoint
+    return (getattr(endpoint, "worker_queue", "") or settings.JOBS_ENDPOINT_QUEUES.get(endpoint.name)
+            or None)
 
 
 # --- creation ----------------------------------------------------------------------------------
@@ -149,10 +160,11 @@ def dispatch_chunks(job, chunk_ids=None):
     if not ids:
         return []
     JobChunk.objects.filter(pk__in=ids).update(dispatched_at=timezone.now())
+    queue = chunk_queue(job)
 
     def send():
         for chunk_id in ids:
-            send_task(RUN_CHUNK_TASK, chunk_id)
+            send_task(RUN_CHUNK_TASK, chunk_id, queue=queue)
 
     # robust: a broker outage is logged, not raised after the job was committed; the watchdog re-sends.
     transaction.on_commit(send, robust=True)

@@ -50,6 +50,7 @@ from workers.verifiers.base import Verifier
 from workers.verifiers.execution import VerifyExecutor
 
 from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
+from .fdlimit import check_open_file_limit
 from .materialize import merge_overrides
 from .sources import run_class_for
 from .pacing import TokenBucket, backoff_delay, parse_retry_after
@@ -663,6 +664,7 @@ class _Run:
 
     # ---------------------------------------------------------------- main
     async def run(self, tasks) -> RunSummary:
+        check_open_file_limit(self.target)  # one socket per request in flight
         self.connector = aiohttp.TCPConnector(limit=self.target, limit_per_host=0, ttl_dns_cache=300)
         aux: list[asyncio.Task] = []
         try:
@@ -740,4 +742,6 @@ async def run_collection(
 def run_collection_sync(*args, **kwargs) -> RunSummary:
     """`run_collection(spec, tasks, sink, control=None, verify_pool=None)` in a fresh event loop (for threads,
     Celery tasks and scripts)."""
-    return asyncio.run(run_collection(*args, **kwargs))
+    from .loop import run
+
+    return run(run_collection(*args, **kwargs))
