@@ -314,7 +314,8 @@ class JobSerializer(serializers.ModelSerializer):
         model = CollectionJob
         fields = ["id", "name", "state", "dataset", "endpoint", "limit", "num_repeats", "num_samples_in_parallel",
                   "parallelism_auto", "responses_create_params", "verifier", "verifier_options", "verify_mode",
-                  "chunk_size", "profiling_enabled", "idempotency_key", "progress", "stalled", "error_message",
+                  "chunk_size", "profiling_enabled", "idempotency_key", "progress", "stalled", "stall_reason",
+                  "error_message",
                   "owner", "created_at", "started_at", "finished_at", "last_progress_at"]
         read_only_fields = fields
 

@@ -7,6 +7,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from rest_framework.test import APIClient
 from django.test import Client
 from django.utils import timezone
 
@@ -49,6 +50,9 @@ def test_hung_model_server_is_named_on_the_job_page(user, math_dataset, sim_endp
         page = _page(user, job)
         assert job.stall_reason in page.replace("&#x27;", "'")
         assert job_progress(job)["stall_reason"] == job.stall_reason  # the live message carries it too
+        api = APIClient()
+        api.force_authenticate(user)
+        assert api.get(f"/api/jobs/{job.pk}/").json()["stall_reason"] == job.stall_reason  # and the API
     finally:
         services.cancel_job(CollectionJob.objects.get(pk=job.pk))
         thread.join(30)
