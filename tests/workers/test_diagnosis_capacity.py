@@ -128,3 +128,25 @@ async def test_outputs_at_the_token_limit(simulator_factory):
     first = d.recommendations[0]  # the server has room: raise parallelism, bounded by what it can hold
     slots = {i.name: i.value for i in d.evidence_items}["server_slots"]
     assert first.setting == "num_samples_in_parallel" and 4 < first.value <= slots and "Bound:" in first.why
+
+
+async def test_replica_out_of_rotation_is_named_without_server_metrics(simulator_factory):
+    """A hosted endpoint (no /metrics) with one dead replica of two: the breaker takes it out after its first
+    refusals, so it gets almost no attempts and error counts alone would not name it; the breaker's state does."""
+    from workers.diagnosis import diagnose_ticks
+    from workers.diagnosis.scenarios import rows_math, task_items
+    from workers.engine.runner import run_collection
+    from workers.telemetry import Telemetry, TelemetrySink
+
+    sim = simulator_factory(seed=17, ttft_ms=10, itl_ms=2, jitter=0.05)
+    dead = dead_url()
+    spec = spec_for([dead, sim.url], sim.model, parallelism=8, verifier="exact")
+    sink = TelemetrySink(None, Telemetry(metrics_urls=[], scrape_interval_s=0.5, sample_interval_s=0.25))
+    summary = await run_collection(spec, task_items(rows_math(80)), sink)
+    assert summary.completed == 80 and summary.failed == 0
+    d = diagnose_ticks(list(sink.history), config={"parallelism": 8, "verifier": "exact", "replicas": 2})
+    first = d.recommendations[0]
+    assert first.setting == "replicas" and first.value == dead, first
+    assert "out of rotation" in first.action and "cannot connect" in first.action, first
+    assert "1 other replica" in first.why, first
+    assert sum(r.setting == "replicas" and r.value == dead for r in d.recommendations) == 1  # named once

@@ -318,7 +318,7 @@ def diagnose(ev: Evidence) -> Diagnosis:
     diag = Diagnosis(verdict=verdict, confidence=confidence, summary="", evidence_items=r.items,
                      scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype,
                      server_slots=ev.server_slots, server_slots_bound=ev.server_slots_bound)
-    diag.recommendations = _recommendations(verdict, subtype, ev, sweep_ratio)
+    diag.recommendations = _replica_recommendations(ev) + _recommendations(verdict, subtype, ev, sweep_ratio)
     diag.conditions = _conditions(ev)
     diag.summary = _summary(diag, ev)
     return diag
@@ -345,6 +345,21 @@ def _kv_pressure(ev: Evidence) -> bool:
 
 def _truncated(ev: Evidence) -> bool:
     return (ev.truncated_share or 0) >= TRUNCATED_SHARE
+
+
+def _replica_recommendations(ev: Evidence) -> list[Recommendation]:
+    """Replicas out of rotation, whatever bounds the job: the engine already routes around them, the user
+    restarts them."""
+    recs = []
+    live = (ev.replicas or 0) - len(ev.replicas_out)
+    for r in ev.replicas_out:
+        recs.append(Recommendation(
+            f"Restart or fix replica {r['url']}: it is out of rotation ({r['reason'] or 'failing'})",
+            "The job runs on the " + (f"{live} other replica{'s' if live != 1 else ''}" if live > 0 else "others")
+            + "; the replica comes back into rotation by itself once its health check answers"
+            + (f" (taken out {r['times_out']} time{'s' if r['times_out'] != 1 else ''} so far)." if r.get("times_out") else "."),
+            "replicas", r["url"]))
+    return recs
 
 
 def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: float | None) -> list[Recommendation]:
@@ -462,7 +477,9 @@ def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: floa
         conn = (ev.rate_connection or 0) + (ev.rate_timeout or 0)
         limited = (ev.rate_429 or 0) >= RATE_429 or (ev.rpm_limit and ev.throughput_rps
                                                      and ev.throughput_rps * 60.0 / ev.rpm_limit >= RPM_UTILIZATION)
-        if ev.replica_error_top and (ev.replica_error_top_share or 0) >= REPLICA_CONCENTRATED:
+        out = {r["url"] for r in ev.replicas_out}
+        if (ev.replica_error_top and (ev.replica_error_top_share or 0) >= REPLICA_CONCENTRATED
+                and ev.replica_error_top not in out):  # one the breaker already took out is named above
             n = ev.replica_errors.get(ev.replica_error_top, 0)
             recs.append(Recommendation(
                 f"Take replica {ev.replica_error_top} out of the endpoint (or restart it)",

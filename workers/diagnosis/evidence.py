@@ -111,6 +111,8 @@ class Evidence:
     replica_errors: dict = field(default_factory=dict)  # replica URL -> connection errors / timeouts / failed scrapes
     replica_error_top: str | None = None  # the replica with most of them
     replica_error_top_share: float | None = None
+    # replicas the engine's circuit breaker holds out of rotation at the latest tick: [{url, reason, since}]
+    replicas_out: list = field(default_factory=list)
     profile_top: dict | None = None  # the job's profile: {function, module, line, share, flag, advice}
     # NeMo Gym agent jobs (ticks' extra["agent_timing"]): each rollout is one POST /run; its time splits into
     # the model server's (its /metrics) and the agent's own (its work, tools and its /verify call)
@@ -447,6 +449,11 @@ def _capacity(ev: Evidence, vl_all: list[dict], vl: list[dict], ticks: list[dict
                 key = url.removesuffix("/metrics").rstrip("/")
                 by[key] = by.get(key, 0) + 1
     ev.replica_errors = by
+    # the breaker's view (ticks' extra["replicas"]): out of rotation at the latest tick that reports replicas. A dead
+    # replica then gets almost no attempts, so error counts alone (and endpoints without /metrics) would miss it.
+    latest = next((t["extra"]["replicas"] for t in reversed(ticks) if (t.get("extra") or {}).get("replicas")), [])
+    ev.replicas_out = [{"url": r.get("url", "").rstrip("/"), "reason": r.get("reason") or r.get("last_error") or "",
+                        "times_out": r.get("times_out", 0)} for r in latest if r.get("state") == "out"]
     total = sum(by.values())
     if total and (replicas or 0) > 1:
         top = max(by, key=by.get)
