@@ -29,7 +29,7 @@ class Endpoint(models.Model):
                                 "a replica out of rotation or overloaded is left for the least loaded one")
     model_name = models.CharField(max_length=300)
     worker_queue = models.CharField(
-        max_length=200, blank=True, validators=[RegexValidator(r"^[A-Za-z0-9_.:@-]*$", "letters, digits and _ . : @ - only")],
+        max_length=200, blank=True, validators=[RegexValidator(r"^[A-Za-z0-9_.:@-]+$", "letters, digits and _ . : @ - only")],
         help_text="Celery queue whose workers run this endpoint's chunks (start them with `-Q <queue>`, e.g. on "
                   "the GPU host); empty: JOBS_ENDPOINT_QUEUES, else the default queue")
     api_flavor = models.CharField(max_length=30, choices=Flavor.choices, default=Flavor.CHAT)

@@ -14,6 +14,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='endpoint',
             name='worker_queue',
-            field=models.CharField(blank=True, help_text="Celery queue whose workers run this endpoint's chunks (start them with `-Q <queue>`, e.g. on the GPU host); empty: JOBS_ENDPOINT_QUEUES, else the default queue", max_length=200, validators=[django.core.validators.RegexValidator('^[A-Za-z0-9_.:@-]*$', 'letters, digits and _ . : @ - only')]),
+            field=models.CharField(blank=True, help_text="Celery queue whose workers run this endpoint's chunks (start them with `-Q <queue>`, e.g. on the GPU host); empty: JOBS_ENDPOINT_QUEUES, else the default queue", max_length=200, validators=[django.core.validators.RegexValidator('^[A-Za-z0-9_.:@-]+$', 'letters, digits and _ . : @ - only')]),
         ),
     ]
