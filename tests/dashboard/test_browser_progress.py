@@ -4,6 +4,7 @@ while it runs."""
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from pathlib import Path
@@ -32,10 +33,14 @@ def two_worker_stack(transactional_db, simulator_factory, django_user_model, mon
     # ~0.4 s per request, 256 slots: the server has room, so the job keeps all 16 slots busy
     sim = simulator_factory(ttft_ms=150, itl_ms=5, output_len_min=40, output_len_max=50, jitter=0.05, seed=4)
     user = django_user_model.objects.create_user(username="dana", password="dana-pw-123")
+    # A queue of this test's own (the endpoint routes its chunks there): messages other tests left in the
+    # suite's default queue (an admin action against a hung server, say) cannot hold these workers' slots.
+    queue = f"progress-{uuid.uuid4().hex[:10]}"
     ep = Endpoint.objects.create(owner=user, name="simulator", base_url=sim.url, model_name=sim.model, max_retries=2,
-                                 request_timeout_s=30)
+                                 request_timeout_s=30, worker_queue=queue)
     env = servers.child_env(servers.database_url(connection.settings_dict),
-                            settings.REDIS_URL,  # with this run's own Celery queue and channel prefix
+                            settings.REDIS_URL,  # with this run's own channel prefix
+                            CELERY_TASK_DEFAULT_QUEUE=queue,
                             JOBS_PROGRESS_MAX_PER_S=4, WORKER_HEARTBEAT_INTERVAL_S=2, JOBS_FLUSH_INTERVAL_S=0.5)
     procs = []
     try:
