@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -35,7 +34,8 @@ from controlplane.jobs import services
 from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 from controlplane.jobs.workers import job_workers
 
-REPO = Path(__file__).resolve().parents[2]
+from .test_jobs_e2e import Proc
+
 N_TASKS, N_REPEATS = 1200, 2
 LEASE_S = 5
 SUBNET = "10.231.{}.{}"
@@ -146,33 +146,6 @@ def _via(url: str, host: str, port: int) -> str:
     parts = urlsplit(url)
     auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
     return urlunsplit((parts.scheme, f"{auth}{host}:{port}", parts.path, parts.query, parts.fragment))
-
-
-class Proc:
-    def __init__(self, name, args, env, log_dir):
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-
-    def killpg(self, sig):
-        try:
-            os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def stop(self):
-        if self.popen.poll() is None:
-            self.killpg(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.killpg(signal.SIGKILL)
-                self.popen.wait(5)
-        self.log.close()
-
-    def tail(self, n=3000):
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
 
 
 @pytest.mark.e2e
