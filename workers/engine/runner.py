@@ -401,14 +401,18 @@ class _Run:
         finally:
             self.in_flight -= 1
 
+        await self._emit(result)
+
+    async def _emit(self, result: RolloutResult) -> None:
+        """Count a finished rollout and hand it to the sink (every kind of run ends a rollout here)."""
         if result.ok:
             self.completed += 1
             self.tick_ok += 1
             self.tick_tokens += result.output_tokens or 0
         else:
             self.failed += 1
+            self.other_outcomes += 1
         self.tick_finished += 1
-        self.other_outcomes += 0 if result.ok else 1
         me = asyncio.current_task()
         self.workers[me] = "emit"
         try:

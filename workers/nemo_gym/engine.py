@@ -38,30 +38,6 @@ def _number(value):
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-class _EmitMixin:
-    async def _emit(self, result: RolloutResult) -> None:
-        if result.ok:
-            self.completed += 1
-            self.tick_ok += 1
-            self.tick_tokens += result.output_tokens or 0
-        else:
-            self.failed += 1
-            self.other_outcomes += 1
-        self.tick_finished += 1
-        me = asyncio.current_task()
-        self.workers[me] = "emit"
-        try:
-            await self.sink.rollout(result)
-        except Exception as exc:
-            if self.sink_error is None:
-                self.sink_error = exc
-            self._stop(cancel=True)
-            raise _Abandon() from exc
-        finally:
-            if me in self.workers:
-                self.workers[me] = "busy"
-
-
 class _LastTickWaitsForScrape:
     """The run's sink, whose last progress tick (sent once the work is done) waits briefly for the model
     server's final scrape, so a short run still gets its agent / model split."""
@@ -86,7 +62,7 @@ class _LastTickWaitsForScrape:
         await self._inner.close()
 
 
-class AgentRun(_EmitMixin, _Run):
+class AgentRun(_Run):
     ROUTES_REPLICAS = False  # its base URLs are a head server or agents, routed by _urls_for
 
     def __init__(self, spec, sink, control, verify_pool=None):
