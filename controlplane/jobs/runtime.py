@@ -235,12 +235,13 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> st
 
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
-def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None):
+def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None):
     """Run every unfinished chunk of the job in this process, with the same code path as the Celery
     task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
     (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
     when `resume` (rerunning the CLI resumes). Chunks leased by another live process are waited for
     (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
+    `stats` (a dict), when given, receives `lease_wait_s`: the time spent waiting for such leases.
     Returns the job, refreshed."""
     worker_name = worker_name or default_worker_name("inline")
     wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
@@ -248,8 +249,11 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     if resume and job.state in (JobState.PAUSED, JobState.FAILED, JobState.CANCELLED):
         services.resume_job(job, launch=False)
     waited_since = None
+    stats = {} if stats is None else stats
+    stats["lease_wait_s"] = 0.0
     try:
         while True:
+            t_pass = time.monotonic()
             ensure_usable_connection()  # the database may have restarted since the last chunk
 
             def open_chunks():
@@ -279,6 +283,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                     logger.warning("job %s: chunks still leased by other workers; giving up waiting", job.pk)
                     break
                 time.sleep(1.0)
+                stats["lease_wait_s"] += time.monotonic() - t_pass
     except KeyboardInterrupt:
         job.refresh_from_db()
         if job.state in JobState.RUNNABLE:

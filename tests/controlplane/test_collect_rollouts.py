@@ -226,7 +226,9 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     sim = simulator_factory(ttft_ms=40, itl_ms=2)
     inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
     out = tmp_path / "rollouts.jsonl"
-    args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+chunk_size=20")
+    # SIGKILL: one chunk, so the rerun has nothing to run until the dead run's lease on it expires
+    chunk_size = n_tasks * repeats if sig == signal.SIGKILL else 20
+    args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", f"+chunk_size={chunk_size}")
     with open(tmp_path / "run1.log", "w") as log:
         p1 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="2", JOBS_FLUSH_ROWS="4")
         try:
@@ -249,13 +251,17 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
         assert job.state == JobState.RUNNING  # left behind by the dead process; its lease expires
 
     with open(tmp_path / "run2.log", "w") as log:
-        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="2")
+        # SIGKILL: the rerun judges the dead run's heartbeat stale after 6 s, longer than its own start-up, so it
+        # surely waits for that lease
+        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="6" if sig == signal.SIGKILL else "2")
         rc2 = p2.wait(timeout=240)
     log2 = (tmp_path / "run2.log").read_text()
     assert rc2 == 0, log2
     assert f"Job {job.pk}: resuming" in log2
     if sig == signal.SIGKILL:  # the dead run's lease had to expire first: not counted as collection time
         assert "for a previous run's lease to expire" in log2, log2
+    else:  # paused by Ctrl-C: its chunks were released, nothing to wait for
+        assert "lease to expire" not in log2, log2
     assert CollectionJob.objects.count() == 1
     assert_exactly_once(job, n_tasks * repeats)
     assert job.state == JobState.COMPLETED
@@ -279,6 +285,7 @@ def test_fresh_checkout_migrates_the_embedded_database_and_finds_the_served_mode
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Setting up the embedded database" in proc.stderr and (var / "controlplane.sqlite3").exists()
     assert f"Model: {simulator.model} (the one model" in proc.stderr
+    assert "This run: 6 rollouts" in proc.stderr and "lease to expire" not in proc.stderr  # no one to wait for
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all("reward" in r for r in rows)
     # a database that is not the embedded one is never migrated behind the user's back

@@ -498,14 +498,13 @@ class Command(BaseCommand):
 
         done_before = job.done_count
         t0 = time.monotonic()
-        self._first_progress_t = None  # when this run's rollouts started coming (set by on_progress)
+        run_stats = {"lease_wait_s": 0.0}
         if job.state != JobState.COMPLETED:
-            job = self._run(job, run_job_inline)
-        # "this run" counts from the first rollout in flight: a wait for a previous run's lease to expire
-        # is not collection time
-        started = self._first_progress_t or t0
-        self._lease_wait_s = started - t0
-        elapsed = time.monotonic() - started
+            job = self._run(job, run_job_inline, run_stats)
+        # a wait for a previous run's lease to expire (a run killed without a chance to release its chunks) is
+        # not collection time
+        self._lease_wait_s = run_stats["lease_wait_s"]
+        elapsed = time.monotonic() - t0 - self._lease_wait_s
 
         job.refresh_from_db()
         if job.output_path != str(out_path.resolve()):
@@ -521,7 +520,7 @@ class Command(BaseCommand):
         if job.state != JobState.COMPLETED:
             self._fail(f"job {job.pk} ended {job.state}; rerun the same command to resume it.", code=2)
 
-    def _run(self, job, run_job_inline: Callable):
+    def _run(self, job, run_job_inline: Callable, run_stats: dict):
         from tqdm import tqdm
 
         bar = tqdm(total=job.total_rollouts, initial=job.done_count, desc="Collecting rollouts", file=sys.stderr,
@@ -530,8 +529,6 @@ class Command(BaseCommand):
 
         def on_progress(payload: dict):
             done = int(payload.get("done") or 0)
-            if getattr(self, "_first_progress_t", 0) is None and (payload.get("in_flight") or done > job.done_count):
-                self._first_progress_t = time.monotonic()
             if done > bar.n:
                 bar.update(done - bar.n)
             failed = int(payload.get("failed") or 0)
@@ -549,7 +546,7 @@ class Command(BaseCommand):
 
             previous = signal.signal(signal.SIGTERM, on_term)
         try:
-            job = run_job_inline(job, on_progress=on_progress)
+            job = run_job_inline(job, on_progress=on_progress, stats=run_stats)
         except KeyboardInterrupt:
             bar.close()
             job.refresh_from_db()
