@@ -1,0 +1,148 @@
+"""The endpoint page's replica table is live: a run's tick (its ReplicaSet's snapshot, stored by the real DbSink
+and published over the real Redis channel layer) reaches the endpoint's socket as the page's own table, with the
+figures the user reads there (requests, errors, in / out of rotation and why) changing tick after tick."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from tests.factories import make_dataset, make_endpoint, make_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+
+
+def _session_cookie(user):
+    c = Client()
+    c.force_login(user)
+    return c.cookies["sessionid"].value
+
+
+async def _connect(path, user=None):
+    from controlplane.asgi import application
+
+    headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
+    if user is not None:
+        headers.append((b"cookie", f"sessionid={await sync_to_async(_session_cookie)(user)}".encode()))
+    comm = WebsocketCommunicator(application, path, headers=headers)
+    connected, _ = await comm.connect(timeout=5)
+    return comm, connected
+
+
+def _rows(html: str) -> dict[str, dict]:
+    """The table as the user reads it: per replica URL, its state cell, requests, errors, in flight, reason."""
+    out = {}
+    for tr in re.findall(r'<tr class="replica-[a-z]+" data-url="[^"]+">.*?</tr>', html, re.S):
+        url = re.search(r'data-url="([^"]+)"', tr).group(1)
+        cell = lambda cls: re.sub(r"<[^>]+>", "", re.search(rf'<td class="{cls}">(.*?)</td>', tr, re.S).group(1)).strip()
+        out[url] = {"state": cell("replica-state"), "requests": int(cell("replica-requests")),
+                    "errors": int(cell("replica-errors")), "in_flight": int(cell("replica-in-flight")),
+                    "reason": re.findall(r'<td class="small">(.*?)</td>', tr, re.S)[-1].strip()}
+    return out
+
+
+@pytest.fixture
+def running_job(django_user_model):
+    from controlplane.jobs.models import JobChunk
+
+    alice = django_user_model.objects.create_user(username="alice", password="alice-pw-123")
+    bob = django_user_model.objects.create_user(username="bob", password="bob-pw-1234")
+    ep = make_endpoint(alice, A, replica_urls=[B])
+    job = make_job(alice, make_dataset(alice, n=5), ep, n_rollouts=0, state="running")
+    chunk = JobChunk.objects.create(job=job, index=0, start_row=0, end_row=5, state="running", lease_owner="w#1")
+    return job, chunk, alice, bob
+
+
+async def _next_table(comm) -> dict[str, dict]:
+    msg = await comm.receive_json_from(timeout=10)
+    assert msg["type"] == "endpoint.replicas"
+    return _rows(msg["html"])
+
+
+async def test_replica_table_follows_the_runs_ticks(running_job):
+    from controlplane.jobs.sink import DbSink, DbThread
+    from workers.engine.replicas import ReplicaSet
+    from workers.engine.types import ProgressTick
+
+    job, chunk, alice, bob = running_job
+    path = f"/ws/endpoints/{job.endpoint_id}/"
+    comm, ok = await _connect(path, bob)
+    assert not ok  # another user's endpoint: refused
+    comm, ok = await _connect(path)
+    assert not ok
+    comm, ok = await _connect(path, alice)
+    assert ok
+    db = DbThread()
+    sink = DbSink(job=job, chunk=chunk, lease_owner="w#1", worker_name="w", db=db, max_publish_per_s=50)
+    replicas = ReplicaSet([A, B])
+
+    async def tick():
+        await sink.progress(ProgressTick(elapsed_s=1.0, completed=replicas.replicas[0].ok, failed=0, in_flight=1,
+                                         parallelism=4, samples_per_s=1.0, output_tokens_per_s=9.0,
+                                         extra={"replicas": replicas.snapshot()}))
+        # The socket sends at most one table a second and the subscription may lag the first nudge: read until
+        # the table shows what this tick stored.
+        return await _next_table(comm)
+
+    try:
+        first = await _next_table(comm)  # at connect: no run has reported yet
+        assert [first[u]["state"] for u in (A, B)] == ["idle", "idle"]
+
+        for _ in range(5):
+            replicas.begin(0), replicas.succeeded(0), replicas.end(0)
+        replicas.begin(1), replicas.succeeded(1), replicas.end(1)
+        replicas.begin(0)  # one request still in flight on A
+        table = await tick()
+        for _ in range(10):
+            if table[A]["requests"] == 6:
+                break
+            table = await _next_table(comm)
+        assert table[A] == {"state": "in rotation", "requests": 6, "errors": 0, "in_flight": 1, "reason": ""}
+        assert table[B] == {"state": "in rotation", "requests": 1, "errors": 0, "in_flight": 0, "reason": ""}
+
+        # B refuses connections: out of rotation at its first refusal, with the reason; A keeps the load
+        replicas.end(0), replicas.succeeded(0)
+        for _ in range(3):
+            replicas.begin(1), replicas.end(1)
+            replicas.failed(1, "cannot connect: Connection refused", replica_fault=True, unreachable=True)
+        table = await tick()
+        for _ in range(10):
+            if table[B]["errors"] == 3:
+                break
+            table = await _next_table(comm)
+        assert table[A] == {"state": "in rotation", "requests": 6, "errors": 0, "in_flight": 0, "reason": ""}
+        assert table[B]["state"] == "out of rotation" and (table[B]["requests"], table[B]["errors"]) == (4, 3)
+        assert table[B]["reason"].startswith("cannot connect: cannot connect: Connection refused")
+
+        # B answers again: back in rotation, its errors kept (cumulative for the run)
+        replicas.begin(1), replicas.succeeded(1), replicas.end(1)
+        table = await tick()
+        for _ in range(10):
+            if table[B]["state"] == "in rotation":
+                break
+            table = await _next_table(comm)
+        assert table[B] == {"state": "in rotation", "requests": 5, "errors": 3, "in_flight": 0,
+                            "reason": "cannot connect: Connection refused"}
+
+        # the page can ask at any time (a window expiring sends no tick): the same table comes back
+        await comm.send_json_to({"type": "refresh"})
+        assert await _next_table(comm) == table
+    finally:
+        await sink.close()
+        db.close()
+        await comm.disconnect()
+
+
+def test_the_page_renders_the_same_table_and_opens_the_socket(running_job):
+    job, _, alice, _ = running_job
+    c = Client()
+    c.force_login(alice)
+    html = c.get(f"/endpoints/{job.endpoint_id}/").content.decode()
+    assert '<script id="endpoint-init" type="application/json">{"ws_path": "/ws/endpoints/%d/"}</script>' % job.endpoint_id in html
+    assert 'data-page="endpoint"' in html and 'id="replica-load-live"' in html
+    assert [r["state"] for r in _rows(html).values()] == ["idle", "idle"]
