@@ -6,32 +6,15 @@ from __future__ import annotations
 import re
 
 import pytest
-from asgiref.sync import sync_to_async
-from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from tests.factories import make_dataset, make_endpoint, make_job
 
+from .test_access import _connect
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
-
-
-def _session_cookie(user):
-    c = Client()
-    c.force_login(user)
-    return c.cookies["sessionid"].value
-
-
-async def _connect(path, user=None):
-    from controlplane.asgi import application
-
-    headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
-    if user is not None:
-        headers.append((b"cookie", f"sessionid={await sync_to_async(_session_cookie)(user)}".encode()))
-    comm = WebsocketCommunicator(application, path, headers=headers)
-    connected, _ = await comm.connect(timeout=5)
-    return comm, connected
 
 
 def _rows(html: str) -> dict[str, dict]:
