@@ -1,15 +1,21 @@
 """The endpoint page's replica table is live: a run's tick (its ReplicaSet's snapshot, stored by the real DbSink
 and published over the real Redis channel layer) reaches the endpoint's socket as the page's own table, with the
-figures the user reads there (requests, errors, in / out of rotation and why) changing tick after tick."""
+figures the user reads there (requests, errors, in / out of rotation and why) changing tick after tick; in
+headless Chromium, the same cells change on the open page without a reload."""
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from django.test import Client
 
 from tests.factories import make_dataset, make_endpoint, make_job
 
+from . import servers
 from .test_access import _connect
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -41,6 +47,14 @@ def running_job(django_user_model):
     return job, chunk, alice, bob
 
 
+def _tick_for(sink, replicas):
+    from workers.engine.types import ProgressTick
+
+    return sink.progress(ProgressTick(elapsed_s=1.0, completed=replicas.replicas[0].ok, failed=0, in_flight=1,
+                                      parallelism=4, samples_per_s=1.0, output_tokens_per_s=9.0,
+                                      extra={"replicas": replicas.snapshot()}))
+
+
 async def _next_table(comm) -> dict[str, dict]:
     msg = await comm.receive_json_from(timeout=10)
     assert msg["type"] == "endpoint.replicas"
@@ -50,7 +64,6 @@ async def _next_table(comm) -> dict[str, dict]:
 async def test_replica_table_follows_the_runs_ticks(running_job):
     from controlplane.jobs.sink import DbSink, DbThread
     from workers.engine.replicas import ReplicaSet
-    from workers.engine.types import ProgressTick
 
     job, chunk, alice, bob = running_job
     path = f"/ws/endpoints/{job.endpoint_id}/"
@@ -65,9 +78,7 @@ async def test_replica_table_follows_the_runs_ticks(running_job):
     replicas = ReplicaSet([A, B])
 
     async def tick():
-        await sink.progress(ProgressTick(elapsed_s=1.0, completed=replicas.replicas[0].ok, failed=0, in_flight=1,
-                                         parallelism=4, samples_per_s=1.0, output_tokens_per_s=9.0,
-                                         extra={"replicas": replicas.snapshot()}))
+        await _tick_for(sink, replicas)
         # The socket sends at most one table a second and the subscription may lag the first nudge: read until
         # the table shows what this tick stored.
         return await _next_table(comm)
@@ -129,3 +140,80 @@ def test_the_page_renders_the_same_table_and_opens_the_socket(running_job):
     assert '<script id="endpoint-init" type="application/json">{"ws_path": "/ws/endpoints/%d/"}</script>' % job.endpoint_id in html
     assert 'data-page="endpoint"' in html and 'id="replica-load-live"' in html
     assert [r["state"] for r in _rows(html).values()] == ["idle", "idle"]
+
+
+def _wait_until(ok, what, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"the page never showed {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.browser
+def test_the_open_page_shows_each_tick_without_a_reload(running_job, monkeypatch):
+    """The endpoint page open in Chromium (uvicorn, real Redis and PostgreSQL); a run's ticks are stored and
+    published from this process as a worker's sink does: the replica cells change in place."""
+    if not Path(servers.CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
+    from django.conf import settings
+    from django.db import connection
+    from playwright.sync_api import sync_playwright
+
+    from controlplane.jobs.sink import DbSink, DbThread
+    from workers.engine.replicas import ReplicaSet
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
+    servers.ensure_frontend()
+    job, chunk, alice, _ = running_job
+    replicas = ReplicaSet([A, B])
+
+    def tick():
+        """One tick of the run, stored and published by a DbSink on a loop of its own (as in a worker)."""
+        async def run():
+            db = DbThread()
+            sink = DbSink(job=job, chunk=chunk, lease_owner="w#1", worker_name="w", db=db, max_publish_per_s=50)
+            try:
+                await _tick_for(sink, replicas)
+            finally:
+                await sink.close()
+                db.close()
+
+        t = threading.Thread(target=asyncio.run, args=(run(),))
+        t.start()
+        t.join(30)
+
+    web, url = servers.start_web(servers.child_env(servers.database_url(connection.settings_dict), settings.REDIS_URL))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=servers.CHROMIUM, args=servers.CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.goto(url + "/accounts/login/")
+                page.fill("#id_username", "alice")
+                page.fill("#id_password", "alice-pw-123")
+                page.click("#login-submit")
+                page.wait_for_load_state()
+                page.goto(f"{url}/endpoints/{job.endpoint_id}/")
+                page.wait_for_selector("#live-status.live", timeout=15000)
+                page.evaluate("window.__noReload = 'still here'")
+                cell = lambda u, cls: page.locator(f'tr[data-url="{u}"] .{cls}').inner_text().strip()  # noqa: E731
+                assert cell(A, "replica-state") == cell(B, "replica-state") == "idle"
+
+                for _ in range(5):
+                    replicas.begin(0), replicas.succeeded(0), replicas.end(0)
+                tick()
+                _wait_until(lambda: cell(A, "replica-requests") == "5", "A's 5 requests")
+                assert cell(A, "replica-state") == cell(B, "replica-state") == "in rotation"
+
+                for _ in range(3):
+                    replicas.begin(1), replicas.end(1)
+                    replicas.failed(1, "cannot connect: Connection refused", replica_fault=True, unreachable=True)
+                tick()
+                _wait_until(lambda: cell(B, "replica-errors") == "3", "B's 3 errors")
+                assert cell(B, "replica-state") == "out of rotation" and cell(B, "replica-requests") == "3"
+                assert cell(A, "replica-requests") == "5" and cell(A, "replica-state") == "in rotation"
+                assert page.evaluate("window.__noReload") == "still here"
+            finally:
+                browser.close()
+    finally:
+        web.stop()
