@@ -171,7 +171,9 @@ def dispatch_chunks(job, chunk_ids=None):
     return ids
 
 
-BROKER_MARK_KEY = "controlplane:broker-mark"
+def broker_mark_key() -> str:
+    """One mark per control plane (its database): several may share one Redis, each must see a loss."""
+    return f"controlplane:broker-mark:{settings.DATABASES['default']['NAME']}"
 
 
 def broker_lost_its_data() -> bool:
@@ -188,7 +190,7 @@ def broker_lost_its_data() -> bool:
     try:
         client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         try:
-            return bool(client.set(BROKER_MARK_KEY, timezone.now().isoformat(), nx=True))
+            return bool(client.set(broker_mark_key(), timezone.now().isoformat(), nx=True))
         finally:
             client.close()
     except redis.RedisError as exc:

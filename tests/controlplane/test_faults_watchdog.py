@@ -125,10 +125,10 @@ def test_a_broker_back_empty_gets_every_pending_chunk_again_while_others_run(use
     settings.CELERY_TASK_ALWAYS_EAGER = False
     settings.CELERY_BROKER_URL = settings.REDIS_URL
     client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete(services.BROKER_MARK_KEY)  # a Redis back with nothing saved
+    client.delete(services.broker_mark_key())  # a Redis back with nothing saved
     assert services.broker_lost_its_data() is True
     assert services.broker_lost_its_data() is False  # seen once
-    client.delete(services.BROKER_MARK_KEY)
+    client.delete(services.broker_mark_key())
     assert services.broker_lost_its_data() is True
     settings.CELERY_BROKER_URL = "memory://"
     assert services.broker_lost_its_data() is False  # not a Redis broker: nothing to tell
