@@ -189,10 +189,7 @@ def test_the_open_page_shows_each_tick_without_a_reload(running_job, monkeypatch
             try:
                 page = browser.new_page()
                 page.goto(url + "/accounts/login/")
-                page.fill("#id_username", "alice")
-                page.fill("#id_password", "alice-pw-123")
-                page.click("#login-submit")
-                page.wait_for_load_state()
+                servers.log_in(page, "alice", "alice-pw-123")
                 page.goto(f"{url}/endpoints/{job.endpoint_id}/")
                 page.wait_for_selector("#live-status.live", timeout=15000)
                 page.evaluate("window.__noReload = 'still here'")
