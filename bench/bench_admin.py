@@ -42,6 +42,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.simulator_process import start_simulator_process  # noqa: E402
 
 from workers.admin import AdminClient, new_trace_id, parse_server_timing  # noqa: E402
 from workers.engine.aggregate import quantile  # noqa: E402
@@ -59,15 +60,9 @@ def raise_nofile(want: int) -> int:
 
 
 def start_simulator(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "workers.simulator", "--port", "0", "--seed", "0", "--ttft-ms", str(args.ttft_ms),
-           "--itl-ms", str(args.itl_ms), "--max-num-seqs", str(args.max_num_seqs), "--output-len-min",
-           str(args.tokens), "--output-len-max", str(args.tokens), "--jitter", "0.2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"simulator did not start: {line!r}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0]
+    return start_simulator_process("--seed", 0, "--ttft-ms", args.ttft_ms, "--itl-ms", args.itl_ms, "--max-num-seqs",
+                                   args.max_num_seqs, "--output-len-min", args.tokens, "--output-len-max", args.tokens,
+                                   "--jitter", 0.2)
 
 
 async def _headers_sent(session, ctx, params):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -51,6 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.simulator_process import start_simulator_process  # noqa: E402
+
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/bench_collection"
 MODEL = "sim-model"
 
@@ -59,15 +62,8 @@ MODEL = "sim-model"
 # processes: simulator, database, Celery worker
 # ------------------------------------------------------------------------------------------------
 def start_simulator(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--host", "127.0.0.1", "--port", "0",
-                             "--model", MODEL, "--ttft-ms", "0", "--itl-ms", "0", "--jitter", "0", "--seed", "0",
-                             "--max-num-seqs", str(max_num_seqs)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"simulator did not start: {line!r}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0].rstrip("/")
+    return start_simulator_process("--model", MODEL, "--ttft-ms", 0, "--itl-ms", 0, "--jitter", 0, "--seed", 0,
+                                   "--max-num-seqs", max_num_seqs, stderr=subprocess.DEVNULL)
 
 
 def create_database(url: str):
@@ -96,6 +92,28 @@ def setup_django(db_url: str, queue: str):
     import django
 
     django.setup()
+
+
+@contextlib.contextmanager
+def bench_database(url: str, queue: str, keep: bool = False):
+    """A fresh, migrated bench database at `url`, Django set up on it and `queue`; dropped at the end unless `keep`."""
+    create_database(url)
+    setup_django(url, queue)
+    try:
+        yield
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        if not keep:
+            drop_database(url)
+
+
+def write_json(path: str | None, args, data: dict) -> None:
+    """--json: the bench's arguments and results in one file."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"args": vars(args), **data}, indent=2, default=str))
 
 
 class Worker:
@@ -538,30 +556,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     queue = f"bench-collection-{uuid.uuid4().hex[:8]}"
-    create_database(args.db)
-    setup_django(args.db, queue)
-    sim, sim_url = start_simulator(max_num_seqs=max(1024, *args.concurrency, args.memory_concurrency))
-    print(f"simulator {sim_url} (zero latency), database {args.db.rsplit('/', 1)[1]}, queue {queue}, "
-          f"{os.cpu_count()} CPUs", flush=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-collection-") as tmp:
-            if args.memory:
-                data = memory_mode(args, Path(tmp), sim_url, queue)
-            else:
-                print(f"{args.n} rollouts per run, max_tokens {args.max_tokens}, concurrency "
-                      f"{','.join(map(str, args.concurrency))}, {args.reps} interleaved pairs each", flush=True)
-                data = throughput_mode(args, Path(tmp), sim_url, sim.pid, queue)
-    finally:
-        sim.terminate()
-        sim.wait(10)
-        from django.db import connections
-
-        connections.close_all()
-        if not args.keep_db:
-            drop_database(args.db)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), **data}, indent=2, default=str))
+    with bench_database(args.db, queue, keep=args.keep_db):
+        sim, sim_url = start_simulator(max_num_seqs=max(1024, *args.concurrency, args.memory_concurrency))
+        print(f"simulator {sim_url} (zero latency), database {args.db.rsplit('/', 1)[1]}, queue {queue}, "
+              f"{os.cpu_count()} CPUs", flush=True)
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench-collection-") as tmp:
+                if args.memory:
+                    data = memory_mode(args, Path(tmp), sim_url, queue)
+                else:
+                    print(f"{args.n} rollouts per run, max_tokens {args.max_tokens}, concurrency "
+                          f"{','.join(map(str, args.concurrency))}, {args.reps} interleaved pairs each", flush=True)
+                    data = throughput_mode(args, Path(tmp), sim_url, sim.pid, queue)
+        finally:
+            sim.terminate()
+            sim.wait(10)
+    write_json(args.json, args, data)
     return 0
 
 

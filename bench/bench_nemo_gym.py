@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.simulator_process import start_simulator_process
+
 REPO = Path(__file__).resolve().parent.parent
 AGENT = "math_with_judge_simple_agent"
 SCRIPT = REPO / "scripts" / "nemo_gym.sh"
@@ -46,15 +48,8 @@ def free_port() -> int:
 
 
 def start_simulator(ttft_ms: int, itl_ms: int):
-    proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--host", "127.0.0.1", "--port", "0",
-                             "--model", "sim", "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--jitter", "0",
-                             "--seed", "0", "--math-accuracy", "0.7", "--max-num-seqs", "512"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"simulator did not start: {line!r}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0].rstrip("/")
+    return start_simulator_process("--model", "sim", "--ttft-ms", ttft_ms, "--itl-ms", itl_ms, "--jitter", 0,
+                                   "--seed", 0, "--math-accuracy", 0.7, "--max-num-seqs", 512, stderr=subprocess.DEVNULL)
 
 
 def write_rows(path: Path, n: int):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.simulator_process import start_simulator_process  # noqa: E402
 
 import workers.engine.runner as runner  # noqa: E402
 from workers.engine.materialize import materialize  # noqa: E402
@@ -78,11 +79,7 @@ class Sink:
 
 
 def start_sim(*args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--host", "127.0.0.1", "--port", "0",
-                             "--model", MODEL, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    url = "http://" + line.split("http://", 1)[1].split()[0]
-    return proc, url
+    return start_simulator_process("--model", MODEL, *args)
 
 
 def http(method, url, body=None):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import subprocess
 import sys
@@ -37,27 +36,18 @@ from pathlib import Path
 
 import psutil
 
-from bench.bench_collection import (
-    MODEL, Worker, create_database, drop_database, fixtures, make_dataset, print_table, setup_django,
-)
+from bench.bench_collection import MODEL, Worker, bench_database, fixtures, make_dataset, print_table, write_json
+from bench.simulator_process import start_simulator_process
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/bench_scale"
 MB = 1 / 2**20
 
 
 def start_simulator(ttft_ms: float, max_num_seqs: int, loop: str = "asyncio") -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--host", "127.0.0.1", "--port", "0",
-                             "--model", MODEL, "--ttft-ms", str(ttft_ms), "--itl-ms", "0", "--jitter", "0",
-                             "--seed", "0", "--max-num-seqs", str(max_num_seqs), "--max-queue", str(max_num_seqs * 4),
-                             "--kv-cache-tokens", str(max_num_seqs * 512), "--max-model-len", "4096"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=_raise_nofile, env={**os.environ, "SIM_EVENT_LOOP": loop})
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"simulator did not start: {line!r}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0].rstrip("/")
+    return start_simulator_process(
+        "--model", MODEL, "--ttft-ms", ttft_ms, "--itl-ms", 0, "--jitter", 0, "--seed", 0, "--max-num-seqs", max_num_seqs,
+        "--max-queue", max_num_seqs * 4, "--kv-cache-tokens", max_num_seqs * 512, "--max-model-len", 4096,
+        stderr=subprocess.DEVNULL, preexec_fn=_raise_nofile, env={**os.environ, "SIM_EVENT_LOOP": loop})
 
 
 def _raise_nofile():
@@ -362,19 +352,9 @@ def main(argv=None) -> int:
         data.update(inflight_mode(args))
     if args.part in ("all", "workers"):
         queue = f"bench-scale-{uuid.uuid4().hex[:8]}"
-        create_database(args.db)
-        setup_django(args.db, queue)
-        try:
-            with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
-                data.update(workers_mode(args, Path(tmp), queue))
-        finally:
-            from django.db import connections
-
-            connections.close_all()
-            drop_database(args.db)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), **data}, indent=2, default=str))
+        with bench_database(args.db, queue), tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+            data.update(workers_mode(args, Path(tmp), queue))
+    write_json(args.json, args, data)
     return 0
 
 

@@ -24,16 +24,12 @@ import aiohttp
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.simulator_process import start_simulator_process  # noqa: E402
 
 
 def start_simulator(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "workers.simulator", "--port", "0", "--ttft-ms", "0",
-                             "--itl-ms", "0", "--seed", "0", *extra], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"simulator did not start: {line!r}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0]
+    return start_simulator_process("--ttft-ms", 0, "--itl-ms", 0, "--seed", 0, *extra)
 
 
 async def drive(url: str, n: int, concurrency: int, max_tokens: int, stream: bool, model: str):

@@ -172,3 +172,39 @@ def add_rollouts(job, n, *, failed_every=0, start_task=0):
                             reward=None if failed else float(i % 2), wall_ms=10.0 * i, data=data))
     Rollout.objects.bulk_create(rows, batch_size=2000)
     return rows
+
+
+class InlineRun:
+    """`job` run by the CLI's inline runner in a thread of its own (its database connection closed when it ends),
+    so that a test can act while it runs: wait_for_rows(n), then join() for the finished job."""
+
+    def __init__(self, job):
+        import threading
+
+        from controlplane.jobs.runtime import run_job_inline
+
+        self.box = {}
+
+        def run():
+            try:
+                self.box["job"] = run_job_inline(job)
+            finally:
+                from django.db import connection
+                connection.close()
+
+        self.job = job
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait_for_rows(self, n: int, timeout_s: float) -> int:
+        """Until the job has stored `n` rollouts or `timeout_s` passed; returns how many it has."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while (count := Rollout.objects.filter(job=self.job).count()) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return count
+
+    def join(self, timeout_s: float):
+        self.thread.join(timeout_s)
+        return self.box["job"]

@@ -1,7 +1,7 @@
 """Private Redis and PostgreSQL servers for fault tests: each on a free port, in a temporary directory, so a
 test can restart or stop them without disturbing the shared ones (or other tests).
 
-    redis = PrivateRedis(tmp_path); redis.start(); redis.restart(down_s=2); redis.stop()
+    redis = PrivateRedis(tmp_path); redis.start(); redis.restart(down_s=2, keep_data=False); redis.stop()
     pg = PrivatePostgres(tmp_path); pg.start(); pg.url("cp"); pg.restart(); pg.stop()
 
 PostgreSQL's binaries are looked up in PATH, then /usr/lib/postgresql/*/bin; `initdb` refuses root, so as root
@@ -84,8 +84,11 @@ class PrivateRedis:
             self.proc.wait(5)
         self.log.close()
 
-    def restart(self, down_s: float = 2.0) -> None:
-        self.stop(save=True)
+    def restart(self, down_s: float = 2.0, keep_data: bool = True) -> None:
+        """keep_data=False: a crash with nothing saved (the queued messages are gone when it comes back)."""
+        self.stop(save=keep_data)
+        if not keep_data:
+            (self.dir / "dump.rdb").unlink(missing_ok=True)
         time.sleep(down_s)
         self.start()
 

@@ -2,13 +2,20 @@
 
 Progress messages are published by the jobs runtime's sink to group `job-<id>` with type
 `job.progress` (controlplane/jobs/events.py); the handler below forwards them as JSON unchanged.
+The endpoint page's socket joins `endpoint-<id>`: the sink nudges it when a run stored a replica table, and
+the consumer answers with the endpoint's replica load read from the database (controlplane.endpoints.replica_load).
 """
 from __future__ import annotations
 
+import asyncio
+import time
+
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.template.loader import render_to_string
 
-from controlplane.access import visible_jobs
+from controlplane.access import visible_endpoints, visible_jobs
+from controlplane.endpoints.replica_load import LIVE_MESSAGE_TYPE, endpoint_group, replica_load
 from controlplane.jobs.events import job_group
 from controlplane.jobs.models import ACTIVE_STATES
 
@@ -83,3 +90,71 @@ class OverviewConsumer(ProgressConsumer):
 
     async def groups_for(self, user):
         return [job_group(i) for i in await _active_job_ids(user)]
+
+
+REPLICAS_MIN_INTERVAL_S = 1.0  # several runs nudge at once: the table is read at most this often per socket
+
+
+@database_sync_to_async
+def _visible_endpoint(user, endpoint_id):
+    return visible_endpoints(user).filter(pk=endpoint_id).first()
+
+
+@database_sync_to_async
+def _replica_message(endpoint) -> dict:
+    endpoint.refresh_from_db(fields=["last_health", "base_url", "replica_urls"])
+    load = replica_load(endpoint)
+    return {"type": LIVE_MESSAGE_TYPE, "endpoint_id": endpoint.pk, "load": load,
+            "html": render_to_string("dashboard/_replica_load.html", {"load": load})}
+
+
+class EndpointConsumer(ProgressConsumer):
+    """ws/endpoints/<endpoint_id>/ : the endpoint's per-replica load (the table of its page, rendered by the
+    page's own template), sent at connect, on every run's nudge (at most once per REPLICAS_MIN_INTERVAL_S, the
+    latest always going out) and when the page asks ({"type": "refresh"}: windows expire without a nudge)."""
+
+    async def groups_for(self, user):
+        try:
+            endpoint_id = int(self.scope["url_route"]["kwargs"]["endpoint_id"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        self.endpoint = await _visible_endpoint(user, endpoint_id)
+        if self.endpoint is None:
+            return None
+        self.last_sent = 0.0
+        self.dirty = False  # a nudge came after the last read began
+        self.pending: asyncio.Task | None = None
+        return [endpoint_group(endpoint_id)]
+
+    async def connect(self):
+        await super().connect()
+        if getattr(self, "endpoint", None) is not None and getattr(self, "joined", None):
+            await self.send_replicas()
+
+    async def disconnect(self, code):
+        if getattr(self, "pending", None) is not None:
+            self.pending.cancel()
+        await super().disconnect(code)
+
+    async def receive_json(self, content, **kwargs):
+        if isinstance(content, dict) and content.get("type") == "refresh":
+            await self.endpoint_replicas({})
+        else:
+            await super().receive_json(content, **kwargs)
+
+    async def endpoint_replicas(self, event):
+        self.dirty = True
+        if self.pending is None or self.pending.done():
+            self.pending = asyncio.ensure_future(self._send_while_dirty())
+
+    async def _send_while_dirty(self):
+        while self.dirty:
+            wait = self.last_sent + REPLICAS_MIN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.dirty = False
+            await self.send_replicas()
+
+    async def send_replicas(self):
+        self.last_sent = time.monotonic()
+        await self.send_json(await _replica_message(self.endpoint))

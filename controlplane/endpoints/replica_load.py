@@ -6,6 +6,10 @@ DbSink stores the tick as a JobMetricSample. The endpoint's load is the latest t
 last REPLICA_LOAD_WINDOW_S, summed per replica: in flight, requests and errors add up; a replica is "out"
 when a run has it out of rotation (since the earliest such run took it out), "in" when every run has it in,
 "idle" when no run reported in the window. The last health check (`last_health`) is shown beside it.
+
+Live: a run whose tick carries a replica table nudges the endpoint's group (`endpoint_group`, message type
+`endpoint.replicas`) once its sample is stored; the endpoint page's socket answers a nudge with this load,
+read again from the database, so the live table and a reload show the same sums.
 """
 from __future__ import annotations
 
@@ -15,6 +19,13 @@ from django.conf import settings
 from django.utils import timezone
 
 from .services import normalize_base_url
+
+
+LIVE_MESSAGE_TYPE = "endpoint.replicas"
+
+
+def endpoint_group(endpoint_id: int) -> str:
+    return f"endpoint-{endpoint_id}"
 
 
 def _when(epoch) -> str | None:

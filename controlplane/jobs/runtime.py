@@ -376,12 +376,14 @@ def diagnose_stall(job, now=None) -> str:
 
 
 
-def watchdog(now=None, dispatch=True) -> dict:
+def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
     """Run periodically (Celery beat). Returns what it did.
     * chunks RUNNING whose heartbeat is older than the lease timeout (a dead worker) go back to
       pending and are dispatched again;
     * pending chunks of a runnable job with no live chunk, dispatched long ago (a lost message), are
-      dispatched again;
+      dispatched again; every pending chunk of a runnable job is, at once, when the broker lost its data
+      (broker_lost; None: services.broker_lost_its_data, Redis back empty after a crash), its chunks still
+      running or not;
     * running jobs without a new rollout for JOBS_STALL_AFTER_S are flagged stalled;
     * runnable jobs whose chunks are all done are finalized (safety path)."""
     now = now or timezone.now()
@@ -401,6 +403,18 @@ def watchdog(now=None, dispatch=True) -> dict:
             if dispatch and job.state in JobState.RUNNABLE:
                 with transaction.atomic():
                     services.dispatch_chunks(job, [chunk_id])
+
+    if dispatch and (services.broker_lost_its_data() if broker_lost is None else broker_lost):
+        # the queued chunk messages are gone: send every pending chunk of a launched job again (a chunk that
+        # is leased meanwhile ignores its duplicate message)
+        lost_jobs = (JobChunk.objects.filter(state=JobChunk.State.PENDING, job__state__in=JobState.RUNNABLE,
+                                             dispatched_at__isnull=False).values_list("job_id", flat=True).distinct())
+        for job in CollectionJob.objects.filter(pk__in=list(lost_jobs)):
+            with transaction.atomic():
+                ids = services.dispatch_chunks(job, JobChunk.objects.filter(job=job, state=JobChunk.State.PENDING)
+                                               .values_list("pk", flat=True))
+            logger.warning("job %s: the broker lost its queued messages; chunks %s sent again", job.pk, ids)
+            report["redispatched"].extend(ids)
 
     # pending chunks whose message may be lost: only for jobs where nothing is live
     lost_before = now - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))

@@ -171,6 +171,33 @@ def dispatch_chunks(job, chunk_ids=None):
     return ids
 
 
+def broker_mark_key() -> str:
+    """One mark per control plane (its database): several may share one Redis, each must see a loss."""
+    return f"controlplane:broker-mark:{settings.DATABASES['default']['NAME']}"
+
+
+def broker_lost_its_data() -> bool:
+    """Whether the broker's Redis lost what it held since the last call (restarted with nothing saved, flushed,
+    failed over to an empty replica): the mark the last call left there is gone. Every message sent before the
+    loss (chunks still queued, finalizations) is gone with it. Only one caller sees a given loss (SET NX). The
+    first call on a new Redis finds no mark either: re-sending then is harmless, a chunk's lease makes a
+    duplicate message a no-op. False when the broker is not Redis or cannot be reached."""
+    url = settings.CELERY_BROKER_URL or ""
+    if settings.CELERY_TASK_ALWAYS_EAGER or not url.startswith(("redis://", "rediss://", "unix://")):
+        return False
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            return bool(client.set(broker_mark_key(), timezone.now().isoformat(), nx=True))
+        finally:
+            client.close()
+    except redis.RedisError as exc:
+        logger.warning("could not check the broker for lost messages: %s", exc)
+        return False
+
+
 def dispatch_finalize(job):
     """Send the finalization of `job` to Celery after the transaction commits."""
     transaction.on_commit(lambda job_id=job.pk: send_task(FINALIZE_JOB_TASK, job_id))

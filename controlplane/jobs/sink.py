@@ -18,6 +18,7 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.endpoints.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE_TYPE, endpoint_group
 from controlplane.endpoints.versions import VersionTagger
 from controlplane.monitoring.metrics import record_rollout_batch
 from workers.engine.materialize import materialize_tasks
@@ -220,6 +221,8 @@ class DbSink:
             channel_layer = get_channel_layer()
         self.layer = channel_layer
         self.group = job_group(job.pk)
+        self.endpoint_id = job.endpoint_id
+        self._replicas_stored = False  # a sample with a replica table was stored since the endpoint's last nudge
 
         self.buffer: list[RolloutResult] = []
         self.received = 0  # results handed to us
@@ -264,6 +267,7 @@ class DbSink:
         self.last_tick = tick
         try:
             await self.db.acall(self._write_sample, tick)
+            self._replicas_stored = self._replicas_stored or bool((tick.extra or {}).get("replicas"))
         except Exception:
             logger.exception("job %s: writing a metric sample failed", self.job_id)
         self._request_publish()
@@ -446,6 +450,12 @@ class DbSink:
         if self.layer:
             try:
                 await asyncio.wait_for(self.layer.group_send(self.group, message), timeout=2.0)
+                if self._replicas_stored and self.endpoint_id:
+                    # the endpoint page reads the stored tables again (every run summed) when nudged
+                    self._replicas_stored = False
+                    await asyncio.wait_for(self.layer.group_send(
+                        endpoint_group(self.endpoint_id),
+                        {"type": REPLICAS_MESSAGE_TYPE, "endpoint_id": self.endpoint_id}), timeout=2.0)
             except Exception as exc:  # Redis down or slow: the run goes on
                 now = time.monotonic()
                 if now - self._last_publish_warning > 30:

@@ -23,8 +23,10 @@ def run_chunk_task(chunk_id: int) -> str:
 @shared_task(ignore_result=True)
 def watchdog() -> dict:
     """Reclaim chunks of dead workers, re-send lost chunks, flag stalled jobs, finalize stragglers."""
-    report = runtime.watchdog()
-    report["verification_reclaimed"] = verification.reclaim_stale()
+    broker_lost = services.broker_lost_its_data()  # once: only one caller sees a given loss
+    report = runtime.watchdog(broker_lost=broker_lost)
+    report["verification_reclaimed"] = verification.reclaim_stale(broker_lost=broker_lost)
+    report["broker_lost"] = broker_lost
     return report
 
 

@@ -86,11 +86,14 @@ def acquire(run_id, lease) -> bool:
              started_at=now, attempts=F("attempts") + 1))
 
 
-def reclaim_stale(dispatch_again=True) -> list[int]:
+def reclaim_stale(dispatch_again=True, broker_lost=False) -> list[int]:
     """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again; a pending run
-    nobody took for a while (a message lost in a broker outage) is sent again (a duplicate finds it leased)."""
+    nobody took for a while (a message lost in a broker outage) is sent again (a duplicate finds it leased),
+    every pending run at once when the broker lost its data (services.broker_lost_its_data)."""
     out = []
     lost_before = timezone.now() - timedelta(seconds=max(settings.JOBS_LEASE_TIMEOUT_S * 4, 60))
+    if broker_lost:
+        lost_before = timezone.now()
     for run in VerificationRun.objects.filter(state=VerificationRun.State.PENDING, created_at__lt=lost_before).filter(
             Q(heartbeat_at__lt=lost_before) | Q(heartbeat_at__isnull=True)):
         # heartbeat_at of a pending run: when it was last re-sent, so it is re-sent once per period at most

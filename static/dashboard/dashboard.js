@@ -345,6 +345,30 @@ function initOverview() {
   setInterval(refresh, 10000);
 }
 
+// ---------------------------------------------------------------- endpoint page: live replica table
+// The server renders the table (the page's own template) and sends it at connect, after every run's tick
+// and when asked: a replica's window expiring sends no tick, so the page asks every REPLICAS_REFRESH_MS.
+const REPLICAS_REFRESH_MS = 10000;
+
+function initEndpointPage() {
+  const init = $("#endpoint-init");
+  const box = $("#replica-load-live");
+  if (!init || !box) return;
+  const socket = new LiveSocket(JSON.parse(init.textContent).ws_path, {
+    onMessage: (msg) => {
+      if (msg.type !== "endpoint.replicas") return;
+      box.innerHTML = msg.html;
+      window.dashboardReplicas = msg.load;
+      document.dispatchEvent(new CustomEvent("dashboard:replicas-applied", { detail: msg.load }));
+    },
+    onStatus: setStatus,
+  });
+  window.dashboardSocket = socket;
+  setInterval(() => {
+    if (!document.hidden && socket.ws && socket.ws.readyState === 1) socket.ws.send('{"type":"refresh"}');
+  }, REPLICAS_REFRESH_MS);
+}
+
 // ---------------------------------------------------------------- datasets: XHR upload
 function escapeHTML(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
@@ -412,6 +436,6 @@ function initHistory() {
 }
 
 // ---------------------------------------------------------------- boot
-const PAGES = { job: initJobPage, overview: initOverview, datasets: initUpload, history: initHistory };
+const PAGES = { job: initJobPage, overview: initOverview, endpoint: initEndpointPage, datasets: initUpload, history: initHistory };
 const page = document.body.dataset.page;
 if (PAGES[page]) PAGES[page]();

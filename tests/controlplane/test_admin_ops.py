@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from datetime import timedelta
 
@@ -13,7 +12,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db.models import Count
 from django.utils import timezone
-from tests.factories import api_token
+from tests.factories import InlineRun, api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints import admin_ops
@@ -22,7 +21,6 @@ from controlplane.endpoints.versions import VersionTagger
 from controlplane.jobs import services
 from controlplane.jobs.export import iter_export_lines
 from controlplane.jobs.models import JobState, Rollout
-from controlplane.jobs.runtime import run_job_inline
 from workers.engine.types import RolloutResult
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -256,23 +254,10 @@ def test_a_job_spanning_two_weight_versions(api, client, user, math_dataset, sim
     ep = sim_endpoint(sim.url, owner=user)
     job = services.create_job(owner=user, dataset=math_dataset(60), endpoint=ep, num_repeats=2, launch=False,
                               num_samples_in_parallel=4, responses_create_params={"max_output_tokens": 8})
-    box = {}
-
-    def run():
-        try:
-            box["job"] = run_job_inline(job)
-        finally:
-            from django.db import connection
-            connection.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while Rollout.objects.filter(job=job).count() < 30 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run = InlineRun(job)
+    run.wait_for_rows(30, timeout_s=60)
     assert act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/step-1"})["applied"]
-    t.join(120)
-    job = box["job"]
+    job = run.join(120)
     assert job.state == JobState.COMPLETED and job.completed_count == 120  # nothing lost across the update
     by_version = dict(Rollout.objects.filter(job=job).values_list("weight_version").annotate(n=Count("id")))
     assert set(by_version) == {"0", "1"} and sum(by_version.values()) == 120

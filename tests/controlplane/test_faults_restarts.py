@@ -127,15 +127,10 @@ class GroupListener:
         self._thread.join(10)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(240)
-@pytest.mark.django_db(transaction=True)
-def test_redis_restarted_mid_job_workers_reconnect_and_nothing_is_lost(user, math_dataset, sim_endpoint,
-                                                                       simulator_factory, tmp_path):
-    """A real Celery worker (threads pool, 2 slots) runs a 4-chunk job from a private Redis (broker and channel
-    layer); Redis is restarted mid-job (shut down with SAVE, down 2 s, started again). The worker reconnects,
-    takes the chunks still queued, progress messages flow again on the same channel-layer subscription (what the
-    dashboard's consumer relies on), and the job completes with exactly one row per (task, repeat)."""
+def _redis_restart_run(user, math_dataset, sim_endpoint, simulator_factory, tmp_path, *, keep_data):
+    """A real Celery worker (threads pool, 2 slots) and beat run a 6-chunk job from a private Redis (broker and
+    channel layer); Redis is restarted once 150 rows are stored and chunks still wait in its queue (shut down
+    with SAVE, or killed with nothing saved: keep_data), down 2 s. Returns what the test asserts on."""
     import uuid
 
     from celery import Celery
@@ -143,13 +138,13 @@ def test_redis_restarted_mid_job_workers_reconnect_and_nothing_is_lost(user, mat
 
     from controlplane.jobs import services
     from controlplane.jobs.events import job_group
-    from controlplane.jobs.models import CollectionJob, JobState, Rollout
+    from controlplane.jobs.models import JobState, Rollout
 
     from tests.private_servers import PrivateRedis
 
     from .test_jobs_e2e import Proc, _database_url
 
-    n_tasks, repeats = 400, 2
+    n_tasks, repeats = 600, 2
     try:
         redis = PrivateRedis(tmp_path)
         redis.start()
@@ -158,16 +153,19 @@ def test_redis_restarted_mid_job_workers_reconnect_and_nothing_is_lost(user, mat
     sim = simulator_factory(seed=3, ttft_ms=100, itl_ms=3, output_len_min=8, output_len_max=24)
     job = services.create_job(owner=user, dataset=math_dataset(n_tasks), endpoint=sim_endpoint(sim.url),
                               num_repeats=repeats, chunk_size=100, num_samples_in_parallel=16, launch=False)
-    assert job.chunks.count() == 4
+    assert job.chunks.count() == 6
     queue = f"faults-redis-{uuid.uuid4().hex[:8]}"
     prefix = f"faults-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": redis.url(), "CELERY_BROKER_URL": redis.url(),
            "CELERY_TASK_DEFAULT_QUEUE": queue, "CHANNELS_PREFIX": prefix, "PYTHONUNBUFFERED": "1",
-           "JOBS_FLUSH_ROWS": "20", "VERIFY_POOL_PROCESSES": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+           "JOBS_FLUSH_ROWS": "20", "VERIFY_POOL_PROCESSES": "1", "JOBS_WATCHDOG_INTERVAL_S": "2",
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     listener = GroupListener([redis.url()], prefix, job_group(job.pk))
-    worker = Proc("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2",
-                             "-Q", queue, "-n", f"{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
-                  env, tmp_path)
+    celery = [sys.executable, "-m", "celery", "-A", "controlplane"]
+    worker = Proc("worker", [*celery, "worker", "-P", "threads", "-c", "2", "-Q", queue, "-n", f"{queue}@%h",
+                             "--without-gossip", "--without-mingle", "-l", "info"], env, tmp_path)
+    beat = Proc("beat", [*celery, "beat", "-l", "info", "-s", str(tmp_path / "beat-schedule")], env, tmp_path)
+    out = {}
     try:
         sender = Celery("faults-sender", broker=redis.url(), set_as_current=False)
         with sender.connection_for_write() as conn:
@@ -184,37 +182,81 @@ def test_redis_restarted_mid_job_workers_reconnect_and_nothing_is_lost(user, mat
         while not listener.messages:
             assert time.monotonic() < deadline, "no progress message before the restart"
             time.sleep(0.1)
-        redis.restart(down_s=2.0)
+        redis.restart(down_s=2.0, keep_data=keep_data)
+        restarted = time.monotonic()
         before = len(listener.messages)
-        at_restart = Rollout.objects.filter(job=job).count()
-        assert job.chunks.filter(state="pending").exists(), "no chunk was still queued in Redis at the restart"
+        out["at_restart"] = at_restart = Rollout.objects.filter(job=job).count()
+        out["pending_at_restart"] = job.chunks.filter(state="pending").count()
+        import redis as redis_client
+
+        out["queued_after_restart"] = redis_client.Redis.from_url(redis.url()).llen(queue)
         # the same subscription gets the worker's progress again (both sides reconnected to the new Redis)
         deadline = time.monotonic() + 30
         while not any(m.get("completed", 0) + m.get("failed", 0) > at_restart for m in listener.messages[before:]):
             assert time.monotonic() < deadline, ("no progress message after the restart "
                                                  f"({len(listener.messages) - before} since):\n" + worker.tail())
             time.sleep(0.2)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 100
         while True:
             job.refresh_from_db()
             if job.state not in (JobState.QUEUED, JobState.RUNNING):
                 break
-            assert time.monotonic() < deadline, "job did not finish:\n" + worker.tail()
+            assert time.monotonic() < deadline, "job did not finish:\n" + worker.tail() + "\nbeat:\n" + beat.tail()
             time.sleep(0.3)
+        out["finished_after_s"] = time.monotonic() - restarted
     finally:
+        beat.stop()
         worker.stop()
         listener.stop()
         redis.stop(save=False)
-    log = worker.log_path.read_text(errors="replace")
     rows = Rollout.objects.filter(job=job)
-    total = rows.count()
-    dupes = rows.values("task_index", "rollout_index").annotate(n=Count("id")).filter(n__gt=1).count()
-    print(f"\nrestart at {at_restart} rows; final {total} rows, {dupes} duplicated; job {job.state}; "
-          f"chunk attempts {list(job.chunks.order_by('index').values_list('attempts', flat=True))}")
-    assert at_restart < n_tasks * repeats
+    out.update(job=job, expected=n_tasks * repeats, total=rows.count(), log=worker.log_path.read_text(errors="replace"),
+               dupes=rows.values("task_index", "rollout_index").annotate(n=Count("id")).filter(n__gt=1).count(),
+               pairs=set(rows.values_list("task_index", "rollout_index")),
+               all_pairs={(t, r) for t in range(n_tasks) for r in range(repeats)})
+    print(f"\nrestart ({'saved' if keep_data else 'nothing saved'}) at {at_restart} rows, {out['pending_at_restart']} "
+          f"chunks pending, {out['queued_after_restart']} messages queued after it; finished {out['finished_after_s']:.1f} s "
+          f"after it with {out['total']} rows, {out['dupes']} duplicated; job {job.state}; chunk attempts "
+          f"{list(job.chunks.order_by('index').values_list('attempts', flat=True))}")
+    return out
+
+
+def _assert_exactly_once(out):
+    from controlplane.jobs.models import CollectionJob, JobState
+
+    job = out["job"]
+    assert out["at_restart"] < out["expected"] and out["pending_at_restart"] > 0, "no chunk was still queued at the restart"
     assert job.state == JobState.COMPLETED, job.error_message
-    assert total == n_tasks * repeats and dupes == 0
-    assert set(rows.values_list("task_index", "rollout_index")) == {(t, r) for t in range(n_tasks) for r in range(repeats)}
-    assert job.completed_count + job.failed_count == total
-    assert CollectionJob.objects.get(pk=job.pk).chunks.filter(state="done").count() == 4
-    assert "Connection to broker lost" in log or "Cannot connect to redis" in log, log[-3000:]  # it really saw the restart
+    assert out["total"] == out["expected"] and out["dupes"] == 0
+    assert out["pairs"] == out["all_pairs"]
+    assert job.completed_count + job.failed_count == out["total"]
+    assert CollectionJob.objects.get(pk=job.pk).chunks.filter(state="done").count() == 6
+    assert "Connection to broker lost" in out["log"] or "Cannot connect to redis" in out["log"], out["log"][-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.django_db(transaction=True)
+def test_redis_restarted_mid_job_workers_reconnect_and_nothing_is_lost(user, math_dataset, sim_endpoint,
+                                                                       simulator_factory, tmp_path):
+    """Redis shut down with SAVE mid-job: the worker reconnects, takes the chunks still queued (their messages
+    survived), progress messages flow again on the same channel-layer subscription (what the dashboard's consumer
+    relies on), and the job completes with exactly one row per (task, repeat)."""
+    out = _redis_restart_run(user, math_dataset, sim_endpoint, simulator_factory, tmp_path, keep_data=True)
+    assert out["queued_after_restart"] > 0  # the queued chunks came back with the data
+    _assert_exactly_once(out)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.django_db(transaction=True)
+def test_redis_back_empty_mid_job_lost_chunks_are_sent_again(user, math_dataset, sim_endpoint, simulator_factory,
+                                                             tmp_path):
+    """Redis killed with nothing saved mid-job: the queued chunk messages are gone with it. The watchdog (beat)
+    sees that the broker lost its data and sends every pending chunk of a running job again, while the chunks
+    that were running go on; the job completes with exactly one row per (task, repeat), soon after the restart
+    rather than after the lost-message timeout (4 x the lease timeout, 120 s)."""
+    out = _redis_restart_run(user, math_dataset, sim_endpoint, simulator_factory, tmp_path, keep_data=False)
+    assert out["queued_after_restart"] == 0  # the chunks still queued were really lost
+    _assert_exactly_once(out)
+    assert out["finished_after_s"] < 60

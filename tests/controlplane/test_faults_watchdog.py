@@ -114,3 +114,43 @@ def test_the_threshold_grows_with_the_endpoint_timeout(user, math_dataset, sim_e
     CollectionJob.objects.filter(pk=job.pk).update(last_progress_at=now - timedelta(seconds=600))
     assert runtime.watchdog(now=now, dispatch=False)["stalled"] == []  # 10 min < one request timeout
     assert runtime.watchdog(now=now + timedelta(seconds=311), dispatch=False)["stalled"] == [job.pk]
+
+
+def test_a_broker_back_empty_gets_every_pending_chunk_again_while_others_run(user, math_dataset, sim_endpoint,
+                                                                             settings, monkeypatch):
+    """The broker's mark: gone once per loss (one caller sees it). While a chunk of the job runs, a pending chunk
+    dispatched 5 s ago is not deemed lost (its message may wait in the queue), unless the broker lost its data."""
+    import redis
+
+    settings.CELERY_TASK_ALWAYS_EAGER = False
+    settings.CELERY_BROKER_URL = settings.REDIS_URL
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete(services.broker_mark_key())  # a Redis back with nothing saved
+    assert services.broker_lost_its_data() is True
+    assert services.broker_lost_its_data() is False  # seen once
+    client.delete(services.broker_mark_key())
+    assert services.broker_lost_its_data() is True
+    settings.CELERY_BROKER_URL = "memory://"
+    assert services.broker_lost_its_data() is False  # not a Redis broker: nothing to tell
+
+    sent = []
+    monkeypatch.setattr(services, "send_task", lambda name, *args, queue=None: sent.append((name, args)))
+    job = new_job(user, math_dataset(10), sim_endpoint("http://127.0.0.1:9"), chunk_size=5)
+    job.mark_running()
+    c0, c1 = job.chunks.order_by("index")
+    now = timezone.now()
+    JobChunk.objects.filter(pk=c0.pk).update(state="running", lease_owner="w#1", heartbeat_at=now)
+    JobChunk.objects.filter(pk=c1.pk).update(dispatched_at=now - timedelta(seconds=5))
+    assert runtime.watchdog(now=now, broker_lost=False)["redispatched"] == [] and sent == []
+    assert runtime.watchdog(now=now, broker_lost=True)["redispatched"] == [c1.pk]
+    assert sent == [(services.RUN_CHUNK_TASK, (c1.pk,))]
+
+    # a deferred verification run just sent: pending, left alone until the lost-message timeout, unless the
+    # broker lost its data
+    from controlplane.jobs import verification
+    from controlplane.jobs.models import VerificationRun
+
+    run = VerificationRun.objects.create(job=job, verifier="math")
+    monkeypatch.setattr(verification, "dispatch", lambda r: sent.append(("verify", r.pk)))
+    assert verification.reclaim_stale(broker_lost=False) == []
+    assert verification.reclaim_stale(broker_lost=True) == [run.pk] and sent[-1] == ("verify", run.pk)

@@ -7,19 +7,16 @@ each rollout with the version in force when it was dispatched (from the moment t
 from __future__ import annotations
 
 import subprocess
-import threading
-import time
 
 import pytest
 import requests
 from django.db.models import Count
-from tests.factories import api_token
+from tests.factories import InlineRun, api_token
 from rest_framework.test import APIClient
 
 from controlplane.endpoints.models import AdminOperation, Endpoint, WeightVersion
 from controlplane.jobs import services
 from controlplane.jobs.models import JobState, Rollout
-from controlplane.jobs.runtime import run_job_inline
 from tests.fixtures_vllm import MODEL_DIR, VLLM_PYTHON
 
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
@@ -65,20 +62,8 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
     job = services.create_job(owner=user, dataset=math_dataset(300), endpoint=ep, launch=False,
                               num_samples_in_parallel=parallelism,
                               responses_create_params={"max_output_tokens": 32, "temperature": 0.0})
-    box = {}
-
-    def run():
-        try:
-            box["job"] = run_job_inline(job)
-        finally:
-            from django.db import connection
-            connection.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 300
-    while Rollout.objects.filter(job=job).count() < 60 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run = InlineRun(job)
+    run.wait_for_rows(60, timeout_s=300)
     api = APIClient()
     api.credentials(HTTP_AUTHORIZATION=f"Token {api_token(user)}")
     # the route queues the update (202) and a worker runs it: here Celery runs inline, as a worker would
@@ -98,8 +83,7 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
     assert [o["kind"] for o in out["operations"]] == ["pause", "update_weights", "set_weight_version", "resume"]
     assert all(o["rpc_ms"] is not None and o["wall_ms"] >= o["rpc_ms"] for o in out["operations"])
     assert AdminOperation.objects.filter(trace_id=out["trace_id"], rpc_source="ttfb").count() == 4
-    t.join(600)
-    job = box["job"]
+    job = run.join(600)
 
     # none lost: every rollout of the job is there and succeeded
     assert job.state == JobState.COMPLETED, job.error_message

@@ -124,6 +124,14 @@ def start_celery(env: dict, concurrency=2, timeout=60.0, name: str | None = None
     raise RuntimeError(f"celery worker not ready: {p.output()}")
 
 
+def log_in(page, username: str, password: str) -> None:
+    """On the login form the page shows (the login page, or the one a protected page redirected to)."""
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("#login-submit")
+    page.wait_for_load_state()
+
+
 def ensure_frontend():
     if not (REPO / "static/vendor/uplot/uPlot.iife.min.js").exists():
         subprocess.run(["bash", str(REPO / "scripts/frontend.sh")], check=True, cwd=REPO)

@@ -86,10 +86,7 @@ def test_dashboard_end_to_end_in_chromium(live_stack, tmp_path):
             # 1. log in
             page.goto(url + "/history/")
             assert "/accounts/login/" in page.url
-            page.fill("#id_username", "carol")
-            page.fill("#id_password", "carol-pw-123")
-            page.click("#login-submit")
-            page.wait_for_load_state()
+            servers.log_in(page, "carol", "carol-pw-123")
 
             # 2. upload a dataset (XHR with a progress bar), land on its page
             page.goto(url + "/datasets/")

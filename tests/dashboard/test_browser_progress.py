@@ -95,9 +95,7 @@ def test_four_chunks_on_two_workers_page_agrees_with_stored_rollouts(two_worker_
         try:
             page = browser.new_page(viewport={"width": 1360, "height": 1000})
             page.goto(stack["url"] + f"/jobs/{job.pk}/")
-            page.fill("#id_username", "dana")
-            page.fill("#id_password", "dana-pw-123")
-            page.click("#login-submit")
+            servers.log_in(page, "dana", "dana-pw-123")
             page.wait_for_url(f"**/jobs/{job.pk}/", timeout=30000)
             page.wait_for_selector("#live-status.live", timeout=15000)
             kpi = lambda f: page.locator(f"#job-progress ~ .kpis [data-field={f}]").first.inner_text().strip()  # noqa: E731

@@ -54,10 +54,7 @@ def test_aggregate_table_and_rollout_browser_in_chromium(finished_job_site):
         try:
             page = browser.new_page(viewport={"width": 1360, "height": 1000})
             page.goto(url + "/accounts/login/")
-            page.fill("#id_username", "dora")
-            page.fill("#id_password", "dora-pw-123")
-            page.click("#login-submit")
-            page.wait_for_load_state()
+            servers.log_in(page, "dora", "dora-pw-123")
 
             page.goto(url + f"/jobs/{job.pk}/")
             table = page.locator("#metrics-table")

@@ -50,19 +50,22 @@ def key(r):
     return r["_ng_task_index"], r["_ng_rollout_index"]
 
 
-def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsys):
-    inp = write_tasks(tmp_path / "tasks.jsonl", 12)
+def collect_both(ng, inp, tmp_path, capsys):
+    """The same tasks through NeMo Gym's ng_collect_rollouts (into tmp_path/ng) and the drop-in (into
+    tmp_path/ours). Returns (their rows sorted by (task, rollout), ours as written, what the drop-in printed)."""
     (tmp_path / "ng").mkdir()
-    res = subprocess.run([str(nemo_gym.venv_bin / "ng_collect_rollouts"),
-                          *ng_args(nemo_gym, inp, tmp_path / "ng" / "rollouts.jsonl")],
-                         cwd=str(tmp_path), env=nemo_gym.env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run([str(ng.venv_bin / "ng_collect_rollouts"), *ng_args(ng, inp, tmp_path / "ng" / "rollouts.jsonl")],
+                         cwd=str(tmp_path), env=ng.env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     theirs = sorted(read_jsonl(tmp_path / "ng" / "rollouts.jsonl"), key=key)
+    call_command("collect_rollouts", *ng_args(ng, inp, tmp_path / "ours" / "rollouts.jsonl"))
+    return theirs, read_jsonl(tmp_path / "ours" / "rollouts.jsonl"), capsys.readouterr().out
 
-    ours_path = tmp_path / "ours" / "rollouts.jsonl"
-    call_command("collect_rollouts", *ng_args(nemo_gym, inp, ours_path))
-    assert "24 ok, 0 failed of 24" in capsys.readouterr().out
-    ours = read_jsonl(ours_path)
+
+def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsys):
+    inp = write_tasks(tmp_path / "tasks.jsonl", 12)
+    theirs, ours, printed = collect_both(nemo_gym, inp, tmp_path, capsys)
+    assert "24 ok, 0 failed of 24" in printed
 
     assert len(theirs) == len(ours) == 24
     assert [key(r) for r in ours] == [key(r) for r in theirs] == [(t, k) for t in range(12) for k in range(2)]
@@ -90,7 +93,7 @@ def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsy
     assert job.endpoint.kind == "nemo_gym" and job.endpoint.model_name == AGENT
 
     # rerunning the same command resumes the same (completed) job: nothing collected twice
-    call_command("collect_rollouts", *ng_args(nemo_gym, inp, ours_path))
+    call_command("collect_rollouts", *ng_args(nemo_gym, inp, tmp_path / "ours" / "rollouts.jsonl"))
     assert "already completed" in capsys.readouterr().err
     assert CollectionJob.objects.count() == 1 and Rollout.objects.count() == 24
 
@@ -104,16 +107,8 @@ def test_identical_lines_and_repeated_indices_match_ng_collect_rollouts(nemo_gym
     lines = [base[0], base[1], base[0], base[2], json.dumps(explicit), base[3], base[1]]
     inp = tmp_path / "tasks.jsonl"
     inp.write_text("\n".join(lines) + "\n")
-    (tmp_path / "ng").mkdir()
-    res = subprocess.run([str(nemo_gym.venv_bin / "ng_collect_rollouts"),
-                          *ng_args(nemo_gym, inp, tmp_path / "ng" / "rollouts.jsonl")],
-                         cwd=str(tmp_path), env=nemo_gym.env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    theirs = sorted(read_jsonl(tmp_path / "ng" / "rollouts.jsonl"), key=key)
-    ours_path = tmp_path / "ours" / "rollouts.jsonl"
-    call_command("collect_rollouts", *ng_args(nemo_gym, inp, ours_path))
-    assert "14 ok, 0 failed of 14" in capsys.readouterr().out
-    ours = read_jsonl(ours_path)
+    theirs, ours, printed = collect_both(nemo_gym, inp, tmp_path, capsys)
+    assert "14 ok, 0 failed of 14" in printed
     assert [key(r) for r in ours] == [key(r) for r in theirs]
     assert sorted(key(r) for r in ours) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5),
                                             (2, 0), (2, 1), (3, 0), (3, 1)]

@@ -9,7 +9,7 @@ import pytest
 
 from workers.engine.materialize import materialize
 from workers.engine.runner import run_collection
-from workers.engine.verify_pool import _verify_batch
+from workers.verifiers.execution import verify_items
 from workers.profiling import core
 from workers.profiling.control import ProfilingControl, ProfilingSink
 from workers.profiling.core import FuncRow, ProfileConfig, _profiled_batch, merge_rows
@@ -25,10 +25,10 @@ def _items(n):
 def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns():
     core._STATE.__init__()
     cfg = ProfileConfig(session="t-all", scope="worker").pool_args()
-    mark, out, first = _profiled_batch(_verify_batch, _items(20), cfg)  # rows come back at most once a second
+    mark, out, first = _profiled_batch(verify_items, _items(20), cfg)  # rows come back at most once a second
     assert mark == core._MARK and [o[1].reward for o in out] == [1.0] * 20
     # the session ends: the last rows come back with the next batch
-    mark, out, last = _profiled_batch(_verify_batch, _items(1), None)
+    mark, out, last = _profiled_batch(verify_items, _items(1), None)
     payloads = [p for p in (first, last) if p]
     assert last["session"] == "t-all" and last["final"]
     assert sum(p["items"] for p in payloads) == 20 == sum(p["profiled"] for p in payloads)
@@ -42,7 +42,7 @@ def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns
 def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
     core._STATE.__init__()
     cfg = ProfileConfig(session="t-sample", budget_pct=2.0).pool_args()
-    payloads = [_profiled_batch(_verify_batch, _items(30), cfg)[2] for _ in range(40)]
+    payloads = [_profiled_batch(verify_items, _items(30), cfg)[2] for _ in range(40)]
     st = core._STATE
     u, p = st.per_item()
     assert p > u > 0  # a profiled verification is slower: that is what the budget limits
@@ -50,7 +50,7 @@ def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
     # over by at most one call and one read of the stats
     assert st.spent <= 0.03 * st.t_all
     assert 0 < st.n_prof_all < 1200  # a share is profiled (how many follows from the budget) ...
-    payloads = [p for p in payloads + [_profiled_batch(_verify_batch, _items(1), None)[2]] if p]
+    payloads = [p for p in payloads + [_profiled_batch(verify_items, _items(1), None)[2]] if p]
     assert sum(p["items"] for p in payloads) == 1200  # ... every verification is counted
     assert sum(p["profiled"] for p in payloads) == st.n_prof_all
     measured = [p["overhead_pct"] for p in payloads if p["overhead_pct"] is not None]
@@ -76,7 +76,7 @@ def test_fast_stats_reader_gives_what_get_func_stats_gives():
     yappi.set_clock_type("cpu")
     yappi.start(builtins=True, profile_threads=False)
     try:
-        _verify_batch(_items(15))
+        verify_items(_items(15))
         for i in range(3):
             exec(compile(f"x = {i} * 2", "<string>", "exec"), {})  # three code objects, one (module, line, name)
     finally:

@@ -62,10 +62,7 @@ def test_profiling_panel_live_sortable_flame_and_switch(transactional_db, django
                 errors = []
                 page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
                 page.goto(url + "/history/")
-                page.fill("#id_username", "pat")
-                page.fill("#id_password", "pat-pw-123")
-                page.click("#login-submit")
-                page.wait_for_load_state()
+                servers.log_in(page, "pat", "pat-pw-123")
                 page.goto(f"{url}/jobs/{job.pk}/")
 
                 first = "#profiling-table tbody tr:first-child td:first-child"

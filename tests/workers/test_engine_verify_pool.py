@@ -6,16 +6,17 @@ import asyncio
 from workers.engine.materialize import materialize
 from workers.engine.runner import run_collection
 from workers.engine.verify_pool import (
-    RemoteVerifierError, VerifyBatcher, VerifyPool, _verify_batch, get_verify_pool, shutdown_verify_pool,
+    RemoteVerifierError, VerifyBatcher, VerifyPool, get_verify_pool, shutdown_verify_pool,
 )
+from workers.verifiers.execution import verify_items
 
 from .test_engine import ListSink, math_rows, spec_for
 
 
 def test_verify_batch_reports_each_item_in_order():
-    out = _verify_batch([("math", {"expected_answer": "7"}, "so \\boxed{7}", {}, False),
-                         ("nope", {}, "x", {}, False),
-                         ("math", {"expected_answer": "7"}, "so \\boxed{8}", {}, False)])
+    out = verify_items([("math", {"expected_answer": "7"}, "so \\boxed{7}", {}, False),
+                        ("nope", {}, "x", {}, False),
+                        ("math", {"expected_answer": "7"}, "so \\boxed{8}", {}, False)])
     assert [o[0] for o in out] == [True, False, True]
     assert out[0][1].reward == 1.0 and out[2][1].reward == 0.0
     assert out[1][1] == "ValueError" and "nope" in out[1][2]

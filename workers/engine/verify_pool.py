@@ -27,6 +27,7 @@ import psutil
 
 from workers.profiling.core import unwrap_result, verify_call
 from workers.verifiers import verify_row
+from workers.verifiers.execution import verify_items
 
 
 def _mp_context():
@@ -87,18 +88,6 @@ def _warm_verifier(name: str) -> int:
         pass
     time.sleep(0.2)
     return os.getpid()
-
-
-def _verify_batch(items: list[tuple]) -> list[tuple]:
-    """In a pool process: verify several rollouts. One entry per item, in order:
-    (True, VerifyResult) or (False, exception type name, message)."""
-    out: list[tuple] = []
-    for name, row, text, options, fast in items:
-        try:
-            out.append((True, verify_row(name, row, text, options, fast)))
-        except Exception as exc:  # noqa: BLE001  (reported per rollout as a verifier error)
-            out.append((False, type(exc).__name__, str(exc)))
-    return out
 
 
 class RemoteVerifierError(Exception):
@@ -235,7 +224,7 @@ class VerifyBatcher:
             if not batch:
                 continue
             try:
-                cfut = executor.submit(*verify_call(_verify_batch, [args for args, _, _ in batch]))  # profiling, if on
+                cfut = executor.submit(*verify_call(verify_items, [args for args, _, _ in batch]))  # profiling, if on
             except Exception as exc:  # BrokenProcessPool, or a pool shut down under us
                 if isinstance(exc, BrokenProcessPool):
                     self.pool.discard_broken(executor)

@@ -27,7 +27,7 @@ from typing import Any
 
 from workers.engine.types import TIMING_FIELDS
 
-from .host import GpuSampler, LoopLagMonitor, ProcessSampler, summarize
+from .host import GpuSampler, LoopLagMonitor, ProcessSampler, stop_task, summarize
 from .vllm import VllmScraper
 
 
@@ -121,13 +121,7 @@ class Telemetry:
     async def stop(self) -> None:
         if self.loop_lag is not None:
             await self.loop_lag.stop()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        self._task = await stop_task(self._task)
         if self.scraper is not None:
             await self.scraper.close()
         if self.gpu is not None:

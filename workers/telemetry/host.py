@@ -26,6 +26,17 @@ except Exception:  # pragma: no cover - psutil is a pinned dependency
     psutil = None
 
 
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a sampler's task and wait for it to end, whatever it raised on the way out. Returns None, for
+    `self._task = await stop_task(self._task)`."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+    return None
+
 class ProcessSampler:
     """CPU of this process and of its children (a ProcessPoolExecutor's workers), and RSS.
 
@@ -98,13 +109,7 @@ class LoopLagMonitor:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="telemetry-loop-lag")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        self._task = await stop_task(self._task)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
