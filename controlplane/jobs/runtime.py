@@ -2,7 +2,7 @@
 inline runner (run_job_inline, here) both call run_chunk, so there is one code path.
 
 Worker command (threads pool: prefork children are daemonic and cannot host the engine's
-verification process pool; the engine runs in the task's own thread with asyncio.run, or uvloop with ENGINE_EVENT_LOOP=uvloop):
+verification process pool; the engine runs in the task's own thread on its own event loop, uvloop by default):
 
     celery -A controlplane worker -P threads -c 4 -l info
     celery -A controlplane beat -l info          # schedules tasks.watchdog every ~10 s

@@ -30,6 +30,14 @@ def test_a_collection_on_each_loop_stores_every_row(simulator, loop):
     assert sink.loop_type.startswith("uvloop" if loop == "uvloop" else "asyncio")
 
 
+def test_uvloop_is_the_default_and_asyncio_can_be_chosen(monkeypatch):
+    uvloop = pytest.importorskip("uvloop")
+    monkeypatch.delenv("ENGINE_EVENT_LOOP", raising=False)
+    assert loop_factory() is uvloop.new_event_loop
+    monkeypatch.setenv("ENGINE_EVENT_LOOP", "asyncio")
+    assert loop_factory() is None
+
+
 def test_unknown_loop_is_refused():
     with pytest.raises(ValueError, match="asyncio or uvloop"):
         loop_factory("trio")
