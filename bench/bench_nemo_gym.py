@@ -15,8 +15,10 @@ wall - collect is start-up and output files. Client CPU is user+system seconds o
 tree, and for the product also the PostgreSQL backends serving its database (shown again as "(DB)");
 client memory is its peak RSS (psutil every 0.1 s). "deploy CPU ms/roll" is the CPU the deployment
 (ng_run's process tree and the simulator) spent per rollout while that client ran: the same work per
-rollout means the client does not make the servers work harder. "load" is the machine's mean 1-minute
-load average during the command. "lost" counts (task, repeat) pairs missing from or duplicated in the
+rollout means the client does not make the servers work harder; "deploy cores" is that CPU over the
+command's wall time, the share of the machine the deployment got (it sets the pace: a window where it got
+less is a slower window whichever client ran). "load" is the machine's mean 1-minute load average during
+the command. "lost" counts (task, repeat) pairs missing from or duplicated in the
 output.
 
 The deployment's Python servers set the pace on a small machine, and other work on the machine moves
@@ -303,6 +305,7 @@ def main(argv=None) -> int:
                                     "rollouts_per_s": ok / r["wall_s"], "cpu_s": r["cpu_s"], "db_cpu_s": r["db_cpu_s"],
                                     "cpu_ms_per_rollout": 1000 * r["cpu_s"] / max(1, ok), "peak_rss_mb": r["peak_rss_mb"],
                                     "deploy_cpu_ms_per_rollout": 1000 * deploy_cpu / max(1, ok), "load": r["load"],
+                                    "deploy_cores": deploy_cpu / r["wall_s"],
                                     "rc": r["rc"]})
                     print(f"round {rnd} {who} at {c}: {ok} ok, {failed} failed, {lost} lost, {r['wall_s']:.1f} s "
                           f"({ok / r['wall_s']:.2f}/s), load {r['load']:.1f}", file=sys.stderr, flush=True)
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
           f"simulator ttft {args.ttft_ms} ms, itl {args.itl_ms} ms); whole commands, wall time incl. start-up")
     head = f"{'client':<20}{'rnd':>4}{'par':>5}{'ok':>6}{'failed':>8}{'lost':>6}{'wall s':>9}{'collect s':>10}" \
            f"{'rollouts/s':>12}{'ratio':>7}{'CPU s':>8}{'(DB)':>6}{'CPU ms/roll':>12}{'peak RSS MB':>13}{'deploy CPU ms/roll':>20}" \
-           f"{'load':>6}"
+           f"{'deploy cores':>14}{'load':>6}"
     print(head)
     print("-" * len(head))
     ratios: dict[int, list[float]] = {}
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
         print(f"{r['who']:<20}{r['round']:>4}{r['parallelism']:>5}{r['rollouts']:>6}{r['failed']:>8}{r['lost']:>6}"
               f"{r['wall_s']:>9.1f}{collect}{r['rollouts_per_s']:>12.2f}{ratio:>6.2f}x{r['cpu_s']:>8.1f}{r['db_cpu_s']:>6.1f}"
               f"{r['cpu_ms_per_rollout']:>12.1f}{r['peak_rss_mb']:>13.0f}{r['deploy_cpu_ms_per_rollout']:>20.0f}"
-              f"{r['load']:>6.1f}")
+              f"{r['deploy_cores']:>14.2f}{r['load']:>6.1f}")
     print(f"\nproduct / ng_collect_rollouts over {max(1, args.rounds)} round(s):")
     for c, rs in ratios.items():
         arms = {w: [x for x in results if x["parallelism"] == c and x["who"] == w]
