@@ -83,7 +83,7 @@ def write_rows(path: Path, n: int):
 
 class Sampler:
     """Peak RSS and CPU seconds of a process and its children, sampled every 0.1 s; with `db_name`, also the CPU
-    of the PostgreSQL backends serving that database (by process title, every 0.5 s): the product's client
+    of the PostgreSQL backends serving that database (found by process title every 2 s, read every 0.5 s): the product's client
     keeps its job in the database, and that work is the client's too."""
 
     def __init__(self, pid: int, db_name: str = ""):
@@ -94,27 +94,36 @@ class Sampler:
         self.db_name = db_name
         self.cpu: dict[int, float] = {}
         self.db_cpu: dict[int, float] = {}
+        self.db_procs: dict = {}
         self.peak_rss = 0
         self.loads: list[float] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
-    def _db_backends(self):
-        for p in self.psutil.process_iter(["cmdline"]):
+    def _db_backends(self, rescan: bool):
+        # finding the backends reads every process's title: done every 2 s only (this sampler's own CPU
+        # would otherwise slow the machine during the product's runs alone); the known ones every 0.5 s
+        if rescan:
+            for p in self.psutil.process_iter(["cmdline"]):
+                try:
+                    title = " ".join(p.info["cmdline"] or [])
+                    if title.startswith("postgres:") and f" {self.db_name} " in title:
+                        self.db_procs.setdefault(p.pid, p)
+                except self.psutil.Error:
+                    pass
+        for pid, p in list(self.db_procs.items()):
             try:
-                title = " ".join(p.info["cmdline"] or [])
-                if title.startswith("postgres:") and f" {self.db_name} " in title:
-                    t = p.cpu_times()
-                    self.db_cpu[p.pid] = t.user + t.system
+                t = p.cpu_times()
+                self.db_cpu[pid] = t.user + t.system
             except self.psutil.Error:
-                pass
+                del self.db_procs[pid]
 
     def _loop(self):
         n = 0
         while not self.stop.is_set():
             if self.db_name and n % 5 == 0:
-                self._db_backends()
+                self._db_backends(rescan=n % 20 == 0)
             n += 1
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
