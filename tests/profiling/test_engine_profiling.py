@@ -32,7 +32,9 @@ def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns
     payloads = [p for p in (first, last) if p]
     assert last["session"] == "t-all" and last["final"]
     assert sum(p["items"] for p in payloads) == 20 == sum(p["profiled"] for p in payloads)
-    rows = merge_rows({}, [FuncRow.from_list(r) for p in payloads for r in p["rows"]])
+    rows: dict = {}
+    for p in payloads:
+        core.payload_rows(p, into=rows)
     verify = next(r for r in rows.values() if r.name == "MathVerifier.verify")
     assert verify.ncall == 20 and verify.ttot >= verify.tsub > 0 and verify.tavg == pytest.approx(verify.ttot / 20)
     assert verify.module.endswith("workers/verifiers/math.py") and verify.line > 0
