@@ -11,7 +11,9 @@ design unusable for a 2 % goal). Every arm gets the same share of the CPU, so an
 per rollout completes fewer rollouts: the ratio is the throughput a dedicated machine would lose.
 
 Two arms run with profiling off ("off A" and "off B"): their ratio is the measurement's own noise, printed
-beside the costs. The arms start together after each has warmed up (pool processes, sympy, connections);
+beside the costs. A "plumbing" arm runs the verification scope with a zero budget (the pool's wrapper, the
+session, windows and hand-backs, no verification profiled): it splits what the plumbing costs from what
+sampling with yappi costs. CPU per rollout is split between the engine process and its verifier pool. The arms start together after each has warmed up (pool processes, sympy, connections);
 rollouts are counted over `--window` seconds after `--warm` seconds (profiling is switched on at the start,
 so the window sees it running, as a "profile for 60 s" would). Each round starts fresh arms in a rotated
 order; the table gives the median of the per-round ratios, then the figures profiling measured itself.
@@ -45,9 +47,13 @@ from workers.engine.verify_pool import SHARED_VERIFY_POOL  # noqa: E402
 from workers.profiling.control import ProfilingControl, ProfilingSink  # noqa: E402
 from workers.profiling.core import ProfileConfig, merge_rows  # noqa: E402
 
-ARMS = ("off A", "off B", "verify", "worker")  # arm name -> profiling mode: its first word
-LABELS = {"off A": "off (baseline)", "off B": "off again (noise)", "verify": "verification only (wall, 2% budget)",
-          "worker": "whole worker (wall)"}
+ARMS = ("off A", "off B", "plumbing", "verify", "worker")  # arm name -> profiling mode: its first word
+LABELS = {"off A": "off (baseline)", "off B": "off again (noise)",
+          "plumbing": "verification scope, nothing sampled",
+          "verify": "verification only (wall, 2% budget)", "worker": "whole worker (wall)"}
+# mode -> (scope, budget %): "plumbing" is the verification scope's wrapper, windows and hand-backs with a zero
+# budget (no verification profiled): it splits what the plumbing costs from what sampling with yappi costs
+MODES = {"plumbing": ("verify", 0.0), "verify": ("verify", 2.0), "worker": ("worker", 2.0)}
 
 
 # ------------------------------------------------------------------------------------ one arm
@@ -110,7 +116,8 @@ async def run_arm(args) -> dict:
         sink, control, snaps, closing = CountingSink(), StopAt(w1 + 0.5), [], {}
         counter = sink
         if mode != "off":
-            cfg = ProfileConfig(session=f"bench-{mode}", scope=mode, clock="wall", budget_pct=2.0, window_s=5.0)
+            scope, budget = MODES[mode]
+            cfg = ProfileConfig(session=f"bench-{mode}", scope=scope, clock="wall", budget_pct=budget, window_s=5.0)
             control = ProfilingControl(control, lambda: cfg, snaps.extend, worker="bench",
                                        pool=lambda: SHARED_VERIFY_POOL._executor)
             finish = control.finish
@@ -191,15 +198,22 @@ def main_orchestrate(args) -> dict:
     med = statistics.median
     summary = {"rounds": args.rounds, "window_s": args.window, "warm_s": args.warm, "parallelism": args.c,
                "processes": args.processes, "loadavg_end": os.getloadavg(), "arms": {}, "runs": rounds}
+
+    def cpu_ratio(a, key):
+        x = [r[a][key] / r["off A"][key] for r in rounds if r[a].get(key) and r["off A"].get(key)]
+        return med(x) if x else None
+
     for a in arms:
         ratios = [r[a]["rps"] / r["off A"]["rps"] for r in rounds]
         cpu = [r[a]["cpu_ms_per_rollout"] for r in rounds if r[a]["cpu_ms_per_rollout"]]
-        cpu_ratios = [r[a]["cpu_ms_per_rollout"] / r["off A"]["cpu_ms_per_rollout"] for r in rounds
-                      if r[a]["cpu_ms_per_rollout"] and r["off A"]["cpu_ms_per_rollout"]]
         summary["arms"][a] = {"rps_median": med(r[a]["rps"] for r in rounds), "ratio_median": med(ratios),
                               "ratios": ratios, "cost_pct": 100 * (1 - med(ratios)),
                               "cpu_ms_per_rollout_median": med(cpu) if cpu else None,
-                              "cpu_ratio_median": med(cpu_ratios) if cpu_ratios else None}
+                              "cpu_ratio_median": cpu_ratio(a, "cpu_ms_per_rollout"),
+                              "engine_cpu_ratio_median": cpu_ratio(a, "engine_cpu_ms_per_rollout"),
+                              "pool_cpu_ratio_median": cpu_ratio(a, "pool_cpu_ms_per_rollout")}
+        if "off B" in arms:  # the same cost measured against the other "off" arm
+            summary["arms"][a]["cost_vs_off_b_pct"] = 100 * (1 - med(r[a]["rps"] / r["off B"]["rps"] for r in rounds))
     v = [r["verify"] for r in rounds if "verify" in r]
     summary["verify_measured_overhead_pct"] = med(x.get("measured_overhead_pct") or 0.0 for x in v)
     summary["verify_profiled_share_pct"] = 100 * sum(x.get("profiled") or 0 for x in v) / max(1, sum(x.get("verifications") or 0 for x in v))
@@ -208,12 +222,16 @@ def main_orchestrate(args) -> dict:
     print(f"verification-bound collection, arms side by side: simulator (no latency) and math verifier in "
           f"{args.processes} processes per arm, parallelism {args.c}, {args.window:g} s window after {args.warm:g} s, "
           f"{args.rounds} rounds (median of per-round ratios to 'off')")
-    print(f"{'profiling':<38}{'rollouts/s':>11}{'vs off':>8}{'cost':>8}{'   per-round ratios':<28}{'CPU ms/rollout':>15}{'vs off':>8}")
+    print(f"{'profiling':<38}{'rollouts/s':>11}{'vs off':>8}{'cost':>8}{'vs off B':>9}   {'per-round ratios':<{6 * args.rounds + 2}}"
+          f"{'CPU ms/rollout':>15}{'vs off':>8}{'engine':>8}{'pool':>8}")
     for a in arms:
         s = summary["arms"][a]
         per = " ".join(f"{x:.3f}" for x in s["ratios"])
-        cpu = f"{s['cpu_ms_per_rollout_median']:>15.2f}{s['cpu_ratio_median']:>8.3f}" if s["cpu_ratio_median"] else ""
-        print(f"{LABELS[a]:<38}{s['rps_median']:>11.1f}{s['ratio_median']:>8.3f}{s['cost_pct']:>7.2f}%   {per:<25}{cpu}")
+        vs_b = f"{s['cost_vs_off_b_pct']:>8.2f}%" if "cost_vs_off_b_pct" in s else " " * 9
+        cpu = (f"{s['cpu_ms_per_rollout_median']:>15.2f}{s['cpu_ratio_median']:>8.3f}{s['engine_cpu_ratio_median']:>8.3f}"
+               f"{s['pool_cpu_ratio_median']:>8.3f}" if s["cpu_ratio_median"] else "")
+        print(f"{LABELS[a]:<38}{s['rps_median']:>11.1f}{s['ratio_median']:>8.3f}{s['cost_pct']:>7.2f}%{vs_b}   "
+              f"{per:<{6 * args.rounds + 2}}{cpu}")
     noise = summary["arms"].get("off B", {"ratios": [1.0]})["ratios"]
     print(f"noise (off B vs off A): per-round {min(noise):.3f}..{max(noise):.3f}; verification only: "
           f"{summary['verify_profiled_share_pct']:.2f}% of verifications profiled, cost the profiler measured in the "
@@ -230,7 +248,7 @@ def main() -> int:
     ap.add_argument("-c", type=int, default=64, help="parallelism per arm")
     ap.add_argument("--processes", type=int, default=2, help="verifier processes per arm")
     ap.add_argument("--rate-cap", type=float, default=600.0, help="rollouts/s no arm reaches (sizes the task list)")
-    ap.add_argument("--arms", default=",".join(ARMS), help="arms run side by side (default: all four)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="arms run side by side (default: all five)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm (the orchestrator starts them)
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -32,7 +32,9 @@ def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns
     payloads = [p for p in (first, last) if p]
     assert last["session"] == "t-all" and last["final"]
     assert sum(p["items"] for p in payloads) == 20 == sum(p["profiled"] for p in payloads)
-    rows = merge_rows({}, [FuncRow.from_list(r) for p in payloads for r in p["rows"]])
+    rows: dict = {}
+    for p in payloads:
+        core.payload_rows(p, into=rows)
     verify = next(r for r in rows.values() if r.name == "MathVerifier.verify")
     assert verify.ncall == 20 and verify.ttot >= verify.tsub > 0 and verify.tavg == pytest.approx(verify.ttot / 20)
     assert verify.module.endswith("workers/verifiers/math.py") and verify.line > 0
@@ -95,6 +97,39 @@ def test_fast_stats_reader_gives_what_get_func_stats_gives():
     verify = next(r for r in fast.values() if r.name == "MathVerifier.verify")
     assert verify.ncall == 15 and verify.children
 
+
+def test_hand_backs_merge_in_the_engine_scaled_to_all_verifications():
+    """Pool processes hand back yappi's raw entries; the engine makes the rows when the window closes (not
+    when the batch's results arrive), each process's rows scaled by its verifications / profiled."""
+    import pickle
+
+    import yappi
+
+    yappi.stop()
+    yappi.clear_stats()
+    yappi.set_clock_type("cpu")
+    yappi.start(builtins=True, profile_threads=False)
+    try:
+        _verify_batch(_items(10))
+    finally:
+        yappi.stop()
+    try:
+        blob = pickle.dumps(core.read_yappi_raw())
+    finally:
+        yappi.clear_stats()
+    prof = core.Profiler("test-host")
+    prof.config = ProfileConfig(session="t-merge")
+    prof.add({"session": "t-merge", "stats": blob, "items": 40, "profiled": 10, "overhead_pct": 1.0})
+    prof.add({"session": "t-merge", "stats": blob, "items": 10, "profiled": 10, "overhead_pct": 3.0})
+    assert prof.w_rows == {}  # nothing built on the event loop
+    (snap,) = prof.drain(final=True)
+    verify = next(r for r in snap.rows if r.name == "MathVerifier.verify")
+    assert verify.ncall == 40 + 10 and snap.verifications == 50 and snap.profiled == 20
+    once = next(r for r in core.merge_raw({}, pickle.loads(blob)).values() if r.name == "MathVerifier.verify")
+    assert once.ncall == 10 and verify.ttot == pytest.approx(5 * once.ttot) and verify.tavg == pytest.approx(once.tavg)
+    kids = {tuple(c[:3]): c for c in once.children}
+    assert verify.children and all(c[3] == 5 * kids[tuple(c[:3])][3] for c in verify.children)
+    assert snap.overhead_pct == pytest.approx((40 * 1.0 + 10 * 3.0) / 50)  # weighted by verifications
 
 async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     """A ProfilingControl turns profiling on after a moment and off again; the run never stops, and the

@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import pickle
 import random
 import socket
 import threading
@@ -59,11 +60,12 @@ def rows_from_yappi(stats) -> list[FuncRow]:
     return out
 
 
-def read_yappi_rows() -> list[FuncRow]:
-    """The current yappi stats as rows, read straight from yappi's C enumerator: ~10x cheaper than
-    `yappi.get_func_stats()` (which builds a YFuncStat object per function and per child: ~30 ms for 350
-    sympy functions, 250 ms after a cold call), and this runs inside the profiled verifier process, where
-    every millisecond counts against the budget. Falls back to the public API if the internal one changes."""
+def read_yappi_raw() -> list | None:
+    """The current yappi stats as yappi's C enumerator gives them, one tuple per function and code object:
+    (name, module, lineno, ncall, nactualcall, builtin, ttot, tsub, index, children[(index, ncall, nactualcall,
+    ttot, tsub)]). This is all a verifier process does with its stats (~0.3 ms for 400 sympy functions, where
+    turning them into rows there cost 3-5 ms, and `yappi.get_func_stats()` ~30 ms): the rows are made in the
+    engine process, off the verification hot path (`merge_raw`). None if yappi's internal API changed."""
     try:
         import _yappi
         entries: list = []
@@ -72,28 +74,53 @@ def read_yappi_rows() -> list[FuncRow]:
             _yappi.enum_func_stats(entries.append, {})
         finally:
             _yappi._resume()
-        by_index = {}
-        for e in entries:  # (name, module, lineno, ncall, nactualcall, builtin, ttot, tsub, index, children, ...)
-            by_index[e[8]] = e
-        out = []
-        for e in entries:
-            name, module, lineno, ncall, _, _, ttot, tsub, _, children = e[:10]
-            if module == "_yappi" or os.path.basename(module) == "yappi.py":
-                continue
-            kids = []
-            for c in children:  # (index, ncall, nactualcall, ttot, tsub)
-                k = by_index.get(c[0])
-                if k is not None:
-                    kids.append([k[1], int(k[2]), k[0], int(c[1]), float(c[3])])
-            ncall = int(ncall)
-            out.append(FuncRow(module, int(lineno), name, ncall, float(tsub), float(ttot),
-                               float(ttot) / ncall if ncall else 0.0, kids))
-        # one row per (module, line, name), as get_func_stats() merges them (code compiled per call, e.g.
-        # exec'd strings, comes as one entry per code object)
-        return list(merge_rows({}, out).values())
+        return [e[:10] for e in entries]
     except (ImportError, AttributeError, TypeError, ValueError, IndexError) as exc:
         log.warning("profiling: yappi's stats enumerator changed (%s); using get_func_stats()", exc)
+        return None
+
+
+def merge_raw(into: dict, entries: list, scale: float = 1.0) -> dict:
+    """Add yappi's raw entries (`read_yappi_raw`) into `into` ({key: FuncRow}), ncall / tsub / ttot multiplied by
+    `scale`: one row per (module, line, name), as get_func_stats() merges them (code compiled per call, e.g.
+    exec'd strings, comes as one entry per code object), yappi's own functions left out."""
+    by_index = {e[8]: e for e in entries}
+    kid_maps: dict = {}  # key -> {child key: child} for the rows this call touches (children are short lists)
+    for name, module, lineno, ncall, _, _, ttot, tsub, _, children in entries:
+        if module == "_yappi" or module.endswith("yappi.py") and os.path.basename(module) == "yappi.py":
+            continue
+        key = (module, lineno, name)
+        cur = into.get(key)
+        if cur is None:
+            cur = into[key] = FuncRow(module, lineno, name, 0, 0.0, 0.0, 0.0, [])
+        cur.ncall += ncall * scale
+        cur.tsub += tsub * scale
+        cur.ttot += ttot * scale
+        cur.tavg = cur.ttot / cur.ncall if cur.ncall else 0.0
+        if children:
+            kids = kid_maps.get(key)
+            if kids is None:
+                kids = kid_maps[key] = {tuple(c[:3]): c for c in cur.children}
+            for c in children:  # (index, ncall, nactualcall, ttot, tsub)
+                k = by_index.get(c[0])
+                if k is None:
+                    continue
+                ck = (k[1], k[2], k[0])
+                have = kids.get(ck)
+                if have is None:
+                    have = kids[ck] = [ck[0], ck[1], ck[2], 0, 0.0]
+                    cur.children.append(have)
+                have[3] += c[1] * scale
+                have[4] += c[3] * scale
+    return into
+
+
+def read_yappi_rows() -> list[FuncRow]:
+    """The current yappi stats as rows (through the C enumerator, falling back to the public API)."""
+    raw = read_yappi_raw()
+    if raw is None:
         return rows_from_yappi(yappi.get_func_stats())
+    return list(merge_raw({}, raw).values())
 
 
 def merge_rows(into: dict, rows, scale: float = 1.0) -> dict:
@@ -241,9 +268,16 @@ def _flush(st: _PoolState, final=False) -> dict | None:
     if st.session is None or (st.w_items == 0 and not final):
         return None
     t0 = time.perf_counter()
-    rows = read_yappi_rows() if st.w_prof else []
+    raw = rows = None
+    if st.w_prof:
+        raw = read_yappi_raw()
+        if raw is None:
+            rows = [r.as_list() for r in rows_from_yappi(yappi.get_func_stats())]
+        # pickled here, so that handing the stats back is measured with the read (the engine unpickles them
+        # off its event loop); the rows are made in the engine process (merge_raw)
+        raw = pickle.dumps(raw if rows is None else rows, protocol=pickle.HIGHEST_PROTOCOL)
     yappi.clear_stats()
-    cost = time.perf_counter() - t0  # reading the stats (~5 ms for 350 sympy functions): part of the budget
+    cost = time.perf_counter() - t0  # reading the stats: part of the budget
     if st.w_prof:
         st.read_est = cost
     st.spent += cost
@@ -254,15 +288,30 @@ def _flush(st: _PoolState, final=False) -> dict | None:
     if st.budget is not None and st.w_time > st.w_spent:
         overhead = 100.0 * st.w_spent / (st.w_time - st.w_spent)  # extra time / the time without profiling
     u, p = st.per_item()
-    payload = {"session": st.session, "pid": os.getpid(), "rows": [r.as_list() for r in rows], "items": st.w_items,
-               "profiled": st.w_prof, "overhead_pct": overhead, "final": final, "t_plain": u, "t_profiled": p}
+    payload = {"session": st.session, "pid": os.getpid(), "stats": raw, "stats_format": "rows" if rows else "raw",
+               "items": st.w_items, "profiled": st.w_prof, "overhead_pct": overhead, "final": final, "t_plain": u,
+               "t_profiled": p}
     st.reset_window()
     return payload
 
 
+def payload_rows(payload: dict, scale: float = 1.0, into: dict | None = None) -> dict:
+    """A pool process's hand-back as rows ({key: FuncRow}), ncall / tsub / ttot multiplied by `scale`."""
+    into = {} if into is None else into
+    blob = payload.get("stats")
+    if not blob:
+        return into
+    stats = pickle.loads(blob)
+    if payload.get("stats_format") == "rows":
+        return merge_rows(into, [FuncRow.from_list(v) for v in stats], scale)
+    return merge_raw(into, stats, scale)
+
+
 def _profiled_batch(fn, items, cfg):
-    """In a pool process: run `fn` (the engine's batch verifier) one item at a time, profiling the items the
-    budget allows (all of them when the budget is None) for the session in `cfg`; cfg None ends any session."""
+    """In a pool process: run `fn` (the engine's batch verifier) on `items`, profiling the items the budget
+    allows (all of them when the budget is None) for the session in `cfg`; cfg None ends any session.
+    With a budget, at most the first item of a batch is profiled (alone, between a yappi start and stop) and
+    the rest run as one call, as they would without profiling: the unprofiled time per call is their mean."""
     st = _STATE
     payload = None
     if st.session is not None and (cfg is None or cfg[0] != st.session):
@@ -274,33 +323,54 @@ def _profiled_batch(fn, items, cfg):
         _start_session(st, cfg)
     if st.session is None:
         return (_MARK, fn(items), payload)
-    out = []
-    for item in items:
-        prof = st.should_profile()
+    if st.budget is None:  # the whole worker: every verification, one start / stop per batch
+        n = len(items)
         t = time.perf_counter()
-        if prof:
-            yappi.start(builtins=st.builtins, profile_threads=False)
+        yappi.start(builtins=st.builtins, profile_threads=False)
         try:
-            out.extend(fn([item]))
+            out = fn(items)
         finally:
-            if prof:
-                yappi.stop()
+            yappi.stop()
         dt = time.perf_counter() - t
-        st.w_items += 1
+        st.w_items += n
+        st.w_prof += n
+        st.n_prof_all += n
         st.w_time += dt
         st.t_all += dt
-        if prof:
+        st.t_prof_all += dt
+    else:
+        out = []
+        rest = items
+        if st.should_profile():
+            t = time.perf_counter()
+            yappi.start(builtins=st.builtins, profile_threads=False)
+            try:
+                out = fn(items[:1])
+            finally:
+                yappi.stop()
+            dt = time.perf_counter() - t
+            rest = items[1:]
+            st.w_items += 1
             st.w_prof += 1
             st.n_prof_all += 1
+            st.w_time += dt
+            st.t_all += dt
             st.t_prof_all += dt
-            if st.u_ema is not None:
-                extra = max(0.0, dt - st.u_ema)
-                st.spent += extra
-                st.w_spent += extra
-        else:
-            st.n_plain += 1
+            extra = max(0.0, dt - st.u_ema)  # should_profile() needs u_ema first
+            st.spent += extra
+            st.w_spent += extra
+        if rest:
+            n = len(rest)
+            t = time.perf_counter()
+            out = out + fn(rest) if out else fn(rest)
+            dt = time.perf_counter() - t
+            st.w_items += n
+            st.w_time += dt
+            st.t_all += dt
+            st.n_plain += n
             st.t_plain += dt
-            st.u_ema = dt if st.u_ema is None else 0.95 * st.u_ema + 0.05 * dt
+            w = 0.95 ** n  # a moving average per call, as if the n calls had been timed one by one
+            st.u_ema = dt / n if st.u_ema is None else w * st.u_ema + (1 - w) * dt / n
     if payload is None and st.w_prof and time.monotonic() - st.last_flush >= st.flush_s:
         payload = _flush(st)
     return (_MARK, out, payload)
@@ -367,6 +437,7 @@ class Profiler:
 
     def _new_window(self):
         self.w_rows: dict = {}
+        self.w_pending: list = []  # pool hand-backs not yet merged into w_rows
         self.w_items = self.w_prof = 0
         self.w_over: list = []  # (items, overhead_pct)
         self.w_start = time.time()
@@ -440,11 +511,16 @@ class Profiler:
 
     # --- data
     def add(self, payload: dict) -> None:
-        rows = [FuncRow.from_list(v) for v in payload.get("rows") or []]
-        items, prof = int(payload.get("items") or 0), int(payload.get("profiled") or 0)
-        scale = items / prof if prof else 1.0
+        """Called on the engine's event loop: only queues the hand-back (rows are made in drain())."""
         with self.lock:
-            merge_rows(self.w_rows, rows, scale)
+            self.w_pending.append(payload)
+
+    def _merge_pending(self) -> None:
+        """The queued hand-backs into the window's rows (control thread; the lock is held)."""
+        pending, self.w_pending = self.w_pending, []
+        for payload in pending:
+            items, prof = int(payload.get("items") or 0), int(payload.get("profiled") or 0)
+            payload_rows(payload, items / prof if prof else 1.0, into=self.w_rows)
             self.w_items += items
             self.w_prof += prof
             if payload.get("overhead_pct") is not None:
@@ -465,6 +541,7 @@ class Profiler:
         if cfg is None:
             return
         with self.lock:
+            self._merge_pending()
             rows = list(self.w_rows.values())
             if rows or self.w_items or final:
                 over = None
