@@ -114,8 +114,34 @@ def _cpu_s(procs) -> float:
     return total
 
 
-def _postgres_procs():
-    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("postgres")]
+class PostgresCpu:
+    """CPU seconds of the PostgreSQL server: its live processes, plus what the postmaster's exited children
+    (the backends of connections closed meanwhile: a chunk run closes its own) used, from the postmaster's
+    children times. The server is shared: other clients' queries count too."""
+
+    def __init__(self):
+        self.live0, self.reaped0 = self._read()
+
+    @staticmethod
+    def _read() -> tuple[dict[int, float], float]:
+        live, reaped = {}, 0.0
+        for p in psutil.process_iter(["name", "ppid"]):
+            if not (p.info["name"] or "").startswith("postgres"):
+                continue
+            try:
+                t = p.cpu_times()
+                live[p.pid] = t.user + t.system
+                if p.info["ppid"] == 1 or not (psutil.Process(p.info["ppid"]).name() or "").startswith("postgres"):
+                    reaped += t.children_user + t.children_system  # the postmaster
+            except psutil.Error:
+                pass
+        return live, reaped
+
+    def used_s(self) -> float:
+        live, reaped = self._read()
+        # a backend gone since the start: its whole CPU is in `reaped`, less what it had used by then
+        gone = sum(v for pid, v in self.live0.items() if pid not in live)
+        return sum(v - self.live0.get(pid, 0.0) for pid, v in live.items()) + (reaped - self.reaped0) - gone
 
 
 def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: str, sim_pid: int) -> dict:
@@ -130,8 +156,8 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     sampler = RssSampler([w.popen.pid for w in workers])
     sampler.sample()
     cpu0 = sum(sampler.cpu_own.values())  # the workers' start-up is not the job's
-    sim, pg = psutil.Process(sim_pid), _postgres_procs()
-    sim0, pg0 = _cpu_s([sim]), _cpu_s(pg)
+    sim, pg = psutil.Process(sim_pid), PostgresCpu()
+    sim0 = _cpu_s([sim])
     sampler.start()
     try:
         t0 = time.monotonic()
@@ -159,7 +185,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
         sampler.stop.set()
         sampler.join()
         sampler.sample()
-        sim_cpu, pg_cpu = _cpu_s([sim]) - sim0, _cpu_s(pg) - pg0
+        sim_cpu, pg_cpu = _cpu_s([sim]) - sim0, pg.used_s()
         for w in workers:
             w.stop()
     cpu_workers = sum(sampler.cpu_own.values()) - cpu0
