@@ -6,7 +6,9 @@ workers   One job of N rollouts (default 100,000; also 10,000 to show memory fla
           writing into PostgreSQL, with the job's total parallelism fixed (default 512: the bound is
           512 / 0.2 s = 2,560 rollouts/s). Per run: rollouts/s from the first to the last stored rollout,
           the peak RSS of each worker process (its own, and with its verifier children), the rows stored
-          and the duplicates (must be 0: the unique constraint and the lease).
+          and the duplicates (must be 0: the unique constraint and the lease), and the CPU per rollout of
+          the workers, their verifier processes, the simulator and PostgreSQL (where the cores went).
+          --chunk-size 100 shows the per-chunk cost; --profile DIR runs each worker under yappi.
 inflight  The engine (workers.engine.run_collection, in this process, a counting sink: no database) with
           parallelism 16,384 against the simulator at 10 s latency (`--ttft-ms 10000 --itl-ms 0`,
           max_num_seqs and KV cache big enough that the simulator never queues): achieved rollouts/s over
@@ -15,6 +17,7 @@ inflight  The engine (workers.engine.run_collection, in this process, a counting
 
     .venv/bin/python -m bench.bench_scale                    # both parts, full size
     .venv/bin/python -m bench.bench_scale workers --sizes 2000,10000 --workers 1,2
+    .venv/bin/python -m bench.bench_scale workers --sizes 3000 --workers 1 --chunk-size 100 --profile /tmp/prof
     .venv/bin/python -m bench.bench_scale inflight --inflight 4096 --latency-s 5
 
 On one shared 2-core machine the worker processes compete for the same cores as the simulator and
