@@ -119,12 +119,15 @@ def write_json(path: str | None, args, data: dict) -> None:
 class Worker:
     """`celery -A controlplane worker -P threads -c 1` on the bench queue and database."""
 
-    def __init__(self, db_url: str, queue: str, log_dir: Path, tag: str):
+    def __init__(self, db_url: str, queue: str, log_dir: Path, tag: str, profile_dir: Path | None = None):
+        self.profile_dir = profile_dir
         self.log_path = log_dir / f"worker-{tag}.log"
         self.log = open(self.log_path, "wb")
         env = {**os.environ, "DATABASE_URL": db_url, "CELERY_TASK_DEFAULT_QUEUE": queue, "PYTHONUNBUFFERED": "1",
                "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
-        args = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "1",
+        # profile_dir: the worker runs under yappi (bench/yappi_worker.py), its profile written there on stop
+        runner = ["bench.yappi_worker", str(profile_dir), tag] if profile_dir else ["celery"]
+        args = [sys.executable, "-m", *runner, "-A", "controlplane", "worker", "-P", "threads", "-c", "1",
                 "-Q", queue, "-n", f"bench-{tag}-{queue}@%h", "--without-gossip", "--without-mingle",
                 "--without-heartbeat", "-l", "info"]
         self.popen = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -144,7 +147,7 @@ class Worker:
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(15)
+                self.popen.wait(120 if self.profile_dir else 15)  # writing a profile takes a while
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(5)

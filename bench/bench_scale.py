@@ -6,7 +6,9 @@ workers   One job of N rollouts (default 100,000; also 10,000 to show memory fla
           writing into PostgreSQL, with the job's total parallelism fixed (default 512: the bound is
           512 / 0.2 s = 2,560 rollouts/s). Per run: rollouts/s from the first to the last stored rollout,
           the peak RSS of each worker process (its own, and with its verifier children), the rows stored
-          and the duplicates (must be 0: the unique constraint and the lease).
+          and the duplicates (must be 0: the unique constraint and the lease), and the CPU per rollout of
+          the workers, their verifier processes, the simulator and PostgreSQL (where the cores went).
+          --chunk-size 100 shows the per-chunk cost; --profile DIR runs each worker under yappi.
 inflight  The engine (workers.engine.run_collection, in this process, a counting sink: no database) with
           parallelism 16,384 against the simulator at 10 s latency (`--ttft-ms 10000 --itl-ms 0`,
           max_num_seqs and KV cache big enough that the simulator never queues): achieved rollouts/s over
@@ -16,6 +18,7 @@ inflight  The engine (workers.engine.run_collection, in this process, a counting
 
     .venv/bin/python -m bench.bench_scale                    # both parts, full size
     .venv/bin/python -m bench.bench_scale workers --sizes 2000,10000 --workers 1,2
+    .venv/bin/python -m bench.bench_scale workers --sizes 3000 --workers 1 --chunk-size 100 --profile /tmp/prof
     .venv/bin/python -m bench.bench_scale inflight --inflight 4096 --latency-s 5
 
 On one shared 2-core machine the worker processes compete for the same cores as the simulator and
@@ -65,17 +68,21 @@ class RssSampler(threading.Thread):
         self.children, self.interval = children, interval
         self.peak_own = collections.defaultdict(int)
         self.peak_total = collections.defaultdict(int)
+        self.cpu_own = collections.defaultdict(float)  # user + system CPU seconds at the last sample
+        self.cpu_children: dict[int, dict[int, float]] = collections.defaultdict(dict)  # pid -> child pid -> CPU s
         self.stop = threading.Event()
 
     def sample(self):
         for pid, proc in self.procs.items():
             try:
                 own = proc.memory_info().rss
+                self.cpu_own[pid] = sum(proc.cpu_times()[:2])
                 total = own
                 if self.children:
                     for c in proc.children(recursive=True):
                         try:
                             total += c.memory_info().rss
+                            self.cpu_children[pid][c.pid] = sum(c.cpu_times()[:2])
                         except psutil.Error:
                             pass
             except psutil.Error:
@@ -91,15 +98,60 @@ class RssSampler(threading.Thread):
 # ------------------------------------------------------------------------------------------------
 # workers: one job, 1 / 2 / 4 worker processes
 # ------------------------------------------------------------------------------------------------
-def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: str) -> dict:
+def _cpu_s(procs) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
+class PostgresCpu:
+    """CPU seconds of the PostgreSQL server: its live processes, plus what the postmaster's exited children
+    (the backends of connections closed meanwhile: a chunk run closes its own) used, from the postmaster's
+    children times. The server is shared: other clients' queries count too."""
+
+    def __init__(self):
+        self.live0, self.reaped0 = self._read()
+
+    @staticmethod
+    def _read() -> tuple[dict[int, float], float]:
+        live, reaped = {}, 0.0
+        for p in psutil.process_iter(["name", "ppid"]):
+            if not (p.info["name"] or "").startswith("postgres"):
+                continue
+            try:
+                t = p.cpu_times()
+                live[p.pid] = t.user + t.system
+                if p.info["ppid"] == 1 or not (psutil.Process(p.info["ppid"]).name() or "").startswith("postgres"):
+                    reaped += t.children_user + t.children_system  # the postmaster
+            except psutil.Error:
+                pass
+        return live, reaped
+
+    def used_s(self) -> float:
+        live, reaped = self._read()
+        # a backend gone since the start: its whole CPU is in `reaped`, less what it had used by then
+        gone = sum(v for pid, v in self.live0.items() if pid not in live)
+        return sum(v - self.live0.get(pid, 0.0) for pid, v in live.items()) + (reaped - self.reaped0) - gone
+
+
+def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: str, sim_pid: int) -> dict:
     from django.db.models import Count
 
     from controlplane.jobs import services
     from controlplane.jobs.models import JobState, Rollout
 
-    workers = [Worker(os.environ["DATABASE_URL"], queue, tmp, f"w{n_workers}-{i}-{n}") for i in range(n_workers)]
+    profile_dir = Path(args.profile) if args.profile else None
+    workers = [Worker(os.environ["DATABASE_URL"], queue, tmp, f"w{n_workers}-{i}-{n}", profile_dir)
+               for i in range(n_workers)]
     sampler = RssSampler([w.popen.pid for w in workers])
     sampler.sample()
+    cpu0 = sum(sampler.cpu_own.values())  # the workers' start-up is not the job's
+    sim, pg = psutil.Process(sim_pid), PostgresCpu()
+    sim0 = _cpu_s([sim])
     sampler.start()
     try:
         t0 = time.monotonic()
@@ -126,8 +178,12 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     finally:
         sampler.stop.set()
         sampler.join()
+        sampler.sample()
+        sim_cpu, pg_cpu = _cpu_s([sim]) - sim0, pg.used_s()
         for w in workers:
             w.stop()
+    cpu_workers = sum(sampler.cpu_own.values()) - cpu0
+    cpu_verifiers = sum(sum(c.values()) for c in sampler.cpu_children.values())
     rows = Rollout.objects.filter(job=job).count()
     dup = (Rollout.objects.filter(job=job).values("task_index", "rollout_index").annotate(c=Count("id"))
            .filter(c__gt=1).count())
@@ -142,7 +198,10 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     return {"n": n, "workers": n_workers, "state": job.state, "rows": rows, "duplicates": dup,
             "failed": job.failed_count, "secs": secs, "rps": n / secs, "job_secs": time.monotonic() - t0,
             "chunk_size": chunk_size, "peak_rss_mb": max(own), "peak_rss_mb_each": [round(x) for x in own],
-            "peak_rss_with_children_mb": max(total), "rows_per_worker": sorted(hosts.values(), reverse=True),
+            "peak_rss_with_children_mb": max(total), "worker_cpu_ms_per_rollout": cpu_workers * 1000 / max(1, rows),
+            "verifier_cpu_ms_per_rollout": cpu_verifiers * 1000 / max(1, rows),
+            "simulator_cpu_ms_per_rollout": sim_cpu * 1000 / max(1, rows), "postgres_cpu_ms_per_rollout":
+            pg_cpu * 1000 / max(1, rows), "chunks": -(-n // chunk_size), "rows_per_worker": sorted(hosts.values(), reverse=True),
             "error": job.error_message}
 
 
@@ -160,7 +219,7 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
         print(f"  dataset of {max(args.sizes)} rows ingested in {time.monotonic() - t:.0f}s", flush=True)
         for n in args.sizes:
             for k in args.workers:
-                r = run_job_on_workers(args, user, dataset, ep, n, k, tmp, queue)
+                r = run_job_on_workers(args, user, dataset, ep, n, k, tmp, queue, sim.pid)
                 out.append(r)
                 print(f"  {n} rollouts on {k} worker(s): {r['state']}, {r['rows']} rows ({r['duplicates']} duplicated), "
                       f"{r['rps']:.0f} rollouts/s, peak RSS per worker {r['peak_rss_mb_each']} MB, rows per worker "
@@ -171,11 +230,18 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
     print(f"\none job, N worker processes (celery -P threads -c 1 each), simulator at {args.latency_ms:.0f} ms, "
           f"total parallelism {args.parallelism}:")
     base = {r["n"]: r["rps"] for r in out if r["workers"] == min(args.workers)}
-    print_table(["rollouts", "workers", "state", "rows stored", "duplicates", "failed", "rollouts/s",
-                 "x 1 worker", "peak RSS/worker MB", "+children MB", "rows per worker"],
-                [[r["n"], r["workers"], r["state"], r["rows"], r["duplicates"], r["failed"], f"{r['rps']:.0f}",
-                  f"{r['rps'] / base[r['n']]:.2f}", f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_with_children_mb']:.0f}",
+    print_table(["rollouts", "workers", "chunks", "state", "rows stored", "duplicates", "failed", "rollouts/s",
+                 "x 1 worker", "CPU ms/rollout workers", "verifiers", "simulator", "postgres", "peak RSS/worker MB", "+children MB",
+                 "rows per worker"],
+                [[r["n"], r["workers"], f"{r['chunks']} x {r['chunk_size']}", r["state"], r["rows"], r["duplicates"],
+                  r["failed"], f"{r['rps']:.0f}", f"{r['rps'] / base[r['n']]:.2f}",
+                  f"{r['worker_cpu_ms_per_rollout']:.2f}", f"{r['verifier_cpu_ms_per_rollout']:.2f}",
+                  f"{r['simulator_cpu_ms_per_rollout']:.2f}", f"{r['postgres_cpu_ms_per_rollout']:.2f}",
+                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_with_children_mb']:.0f}",
                   "/".join(map(str, r["rows_per_worker"]))] for r in out])
+    print("CPU ms/rollout: user + system CPU over the job, per stored rollout, of the worker processes (engine, DB "
+          "thread, Celery), of their verifier-pool children, of the simulator, and of every PostgreSQL backend (the "
+          "server is shared: other clients' queries count too)")
     if len(args.sizes) >= 2:
         small, big = min(args.sizes), max(args.sizes)
         print(f"\npeak RSS per worker, {big} vs {small} rollouts (flat = ~1.0):")
@@ -342,7 +408,9 @@ def main(argv=None) -> int:
     p.add_argument("--loops", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["asyncio", "uvloop", "uvloop-plain"],
                    help="'inflight': arms to compare: the event loop of the engine and the simulator, '-plain' = "
                         "non-streaming requests (default asyncio,uvloop,uvloop-plain)")
-    p.add_argument("--profile", default=None, metavar="PATH", help="'inflight': cProfile the engine into PATH")
+    p.add_argument("--profile", default=None, metavar="PATH", help="'inflight': cProfile the engine into PATH; "
+                   "'workers': run each worker under yappi (all threads, CPU clock), profiles written into the "
+                   "folder PATH (bench/yappi_worker.py)")
     p.add_argument("--db", default=DEFAULT_DB, help=f"bench database, created and dropped (default {DEFAULT_DB})")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)

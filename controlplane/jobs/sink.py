@@ -140,6 +140,15 @@ def _insert_columns():
     return meta, fields, qn, columns, conflict
 
 
+def _row_params(rows: list[dict], fields) -> list[list]:
+    """Each row's values as the database takes them (Field.get_db_prep_save). Given this thread's own
+    connection object rather than the `connection` proxy: the proxy resolves the thread's connection on
+    every attribute read, about half of the preparation's CPU at 19 fields per row."""
+    conn = connections[connection.alias]
+    preps = [(f.name, f.get_db_prep_save) for f in fields]
+    return [[prep(row[name], conn) for name, prep in preps] for row in rows]
+
+
 def insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
     """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status, failure_class.
     Returns (status, failure_class) of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
@@ -152,10 +161,7 @@ def insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
     inserted: list[tuple[str, str]] = []
     for start in range(0, len(rows), _SQL_BATCH):
         part = rows[start:start + _SQL_BATCH]
-        params = []
-        for row in part:
-            for f in fields:
-                params.append(f.get_db_prep_save(row[f.name], connection))
+        params = [value for row_params in _row_params(part, fields) for value in row_params]
         sql = (f"INSERT INTO {qn(meta.db_table)} ({columns}) VALUES {', '.join([placeholder] * len(part))} "
                f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {_returning(qn, meta)}")
         with connection.cursor() as cursor:
@@ -185,8 +191,8 @@ def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
                        f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} ON COMMIT DELETE ROWS AS "
                        f"SELECT {columns} FROM {qn(meta.db_table)} WITH NO DATA")
         with cursor.cursor.copy(f"COPY {_STAGING} ({columns}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row([f.get_db_prep_save(row[f.name], connection) for f in fields])
+            for row_params in _row_params(rows, fields):
+                copy.write_row(row_params)
         # the DELETE ... RETURNING empties the staging table for the next batch in the same transaction
         cursor.execute(f"WITH staged AS (DELETE FROM {_STAGING} RETURNING {columns}) "
                        f"INSERT INTO {qn(meta.db_table)} ({columns}) SELECT {columns} FROM staged "

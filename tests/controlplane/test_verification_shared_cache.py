@@ -116,6 +116,44 @@ def test_two_executors_in_flight_compute_identical_work_once(counter):
     assert a.stats()["verify_cache_shared"] is True
 
 
+def test_more_lookups_at_once_than_redis_connections_keep_the_shared_cache_on(counter):
+    """A run at parallelism 512 looks up 512 results at once: they share a few Redis connections and round
+    trips instead of failing with "Too many connections" past redis-py's default pool of 100, which turned
+    the job's shared cache off for the rest of the run."""
+    from workers.verifiers.shared_cache import MAX_CONNECTIONS
+
+    key, computed = counter
+    scope = f"test:{uuid.uuid4().hex}"
+    options = {"counter_url": REDIS_URL, "counter": key, "sleep_s": 0.0}
+    row = {"expected_answer": "4"}
+    texts = [f"The answer is \\boxed{{{i}}}" for i in range(512)]
+
+    async def run_once():
+        ex = VerifyExecutor("tests.verifier_plugins:counted_io", options, cache="job", shared_url=REDIS_URL,
+                            shared_scope=scope, concurrency=64)
+        pool, opened = ex.shared.redis.connection_pool, []
+        make_connection = pool.make_connection
+        pool.make_connection = lambda: opened.append(1) or make_connection()  # counts the sockets opened
+        try:
+            results = await asyncio.gather(*(ex.verify(row, t) for t in texts))
+            stats = ex.stats()
+            stats["round_trips"] = ex.shared.round_trips
+        finally:
+            await ex.aclose()
+        return results, stats, len(opened)
+
+    results, stats, sockets = asyncio.run(run_once())
+    assert stats["verify_cache_shared"] is True and "verify_cache_error" not in stats
+    assert stats["verify_cache_computed"] == 512 and computed() == 512
+    assert sockets <= MAX_CONNECTIONS
+    # 512 lookups and 512 stores: those made in the same loop turn share a round trip (about 100 here)
+    assert stats["round_trips"] <= 256
+    assert [r.reward for r in results] == [1.0 if i == 4 else 0.0 for i in range(512)]
+    # a second run (another chunk, another worker) finds every result in Redis
+    _, stats, _ = asyncio.run(run_once())
+    assert stats["verify_cache_shared_hits"] == 512 and computed() == 512
+
+
 def test_redis_down_falls_back_to_the_local_cache(counter):
     key, computed = counter
     options = {"counter_url": REDIS_URL, "counter": key, "sleep_s": 0.0}

@@ -14,10 +14,17 @@ worker or host, or in a later verification run of the same job computed it again
   next waiter takes it over (bounded wait; never a deadlock).
 * Every Redis call has a socket timeout; when Redis fails the executor falls back to its local cache for
   the rest of the run (verification never fails because the cache did).
+* A run holds at most MAX_CONNECTIONS sockets to Redis, its lookups waiting for a free one: a round trip takes
+  about a millisecond, while redis-py's own pool raised "Too many connections" past 100 lookups at once (which
+  switched the shared cache off for a run at parallelism above 100) and opened one socket per concurrent
+  lookup below that, each with a handshake.
+* Lookups and stores sent in the same turn of the event loop (a run at parallelism 512 finishes many
+  verifications at once) share one pipelined round trip: about 0.05 ms of client CPU each instead of 0.24.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -28,6 +35,18 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "rcp:vcache:"
 POLL_S = 0.02
+MAX_CONNECTIONS = 16
+
+
+@functools.cache
+def _driver_info() -> dict:
+    """redis-py names itself to the server (CLIENT SETINFO) on every new connection, reading its own version
+    from the package metadata each time (importlib.metadata: ~2 ms of CPU). Read once per process."""
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:  # older redis-py: no such parameter
+        return {}
+    return {"driver_info": DriverInfo()}
 
 
 def encode(result: VerifyResult) -> str:
@@ -47,8 +66,14 @@ class SharedVerifyCache:
         self.url, self.scope = url, scope
         self.ttl_s = max(1, int(ttl_s))
         self.claim_ms = max(1000, int(claim_ttl_s * 1000))
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=MAX_CONNECTIONS, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, **_driver_info())
+        self.redis = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self.computed = self.shared_hits = self.waited = 0
+        self.round_trips = 0
+        self._queued: dict[str, list[tuple[str, asyncio.Future]]] = {"lookup": [], "store": []}
+        self._sending: set[asyncio.Task] = set()
 
     def _key(self, key: str) -> str:
         return f"{KEY_PREFIX}{self.scope}:{key}"
@@ -63,10 +88,7 @@ class SharedVerifyCache:
         deadline = time.monotonic() + self.claim_ms / 1000 + 1.0
         waited = False
         while True:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.get(self._key(key))
-                pipe.set(self._claim(key), b"1", nx=True, px=self.claim_ms)
-                raw, claimed = await pipe.execute()
+            raw, claimed = await self._batched("lookup", key)
             if raw is not None:
                 if claimed:  # stored between our GET and SET: give the claim back at once
                     await self.redis.delete(self._claim(key))
@@ -81,11 +103,45 @@ class SharedVerifyCache:
             await asyncio.sleep(POLL_S)
 
     async def put(self, key: str, result: VerifyResult) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self._key(key), encode(result), ex=self.ttl_s)
-            pipe.delete(self._claim(key))
-            await pipe.execute()
+        await self._batched("store", (key, encode(result)))
         self.computed += 1
+
+    # --- one round trip for the calls of one loop turn ------------------------------------------------
+    async def _batched(self, kind: str, item):
+        """Queue a lookup (key) or a store ((key, encoded result)); the first one queued starts a task that
+        sends everything queued by then in one pipeline. Returns (raw, claimed) for a lookup."""
+        fut = asyncio.get_running_loop().create_future()
+        queue = self._queued[kind]
+        queue.append((item, fut))
+        if len(queue) == 1:
+            task = asyncio.get_running_loop().create_task(self._send(kind))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        return await fut
+
+    async def _send(self, kind: str):
+        batch, self._queued[kind] = self._queued[kind], []
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for item, _ in batch:
+                    if kind == "lookup":
+                        pipe.get(self._key(item))
+                        pipe.set(self._claim(item), b"1", nx=True, px=self.claim_ms)
+                    else:
+                        pipe.set(self._key(item[0]), item[1], ex=self.ttl_s)
+                        pipe.delete(self._claim(item[0]))
+                out = await pipe.execute()
+            self.round_trips += 1
+        except BaseException as exc:  # every caller of the batch sees the error (and falls back to its local cache)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for i, (_, fut) in enumerate(batch):
+            if not fut.done():  # a caller cancelled meanwhile: its claim expires with the claim TTL
+                fut.set_result((out[2 * i], out[2 * i + 1]))
 
     async def release(self, key: str) -> None:
         """The computation failed (errors are not cached): let a waiter take over now, not at claim expiry."""
@@ -131,6 +187,8 @@ class SharedVerifyCache:
             await self.redis.delete(*keys)
 
     async def aclose(self) -> None:
+        if self._sending:  # stores whose callers have moved on still complete
+            await asyncio.gather(*list(self._sending), return_exceptions=True)
         try:
             await self.redis.aclose()
         except Exception:  # noqa: BLE001
