@@ -9,6 +9,7 @@ import pytest
 
 from workers.engine.materialize import materialize
 from workers.engine.runner import run_collection
+from workers.engine.verify_pool import SHARED_VERIFY_POOL
 from workers.verifiers.execution import verify_items
 from workers.profiling import core
 from workers.profiling.control import ProfilingControl, ProfilingSink
@@ -110,7 +111,7 @@ def test_hand_backs_merge_in_the_engine_scaled_to_all_verifications():
     yappi.set_clock_type("cpu")
     yappi.start(builtins=True, profile_threads=False)
     try:
-        _verify_batch(_items(10))
+        verify_items(_items(10))
     finally:
         yappi.stop()
     try:
@@ -141,7 +142,8 @@ async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     def source():  # on from the 100th rollout to the 700th
         return cfg if 100 <= len(sink.results) < 700 else None
 
-    ctl = ProfilingControl(None, source, snaps.extend, worker="test-host")
+    # the pool, as a job's profiling gets it: the session's last rows are collected from it when it ends
+    ctl = ProfilingControl(None, source, snaps.extend, worker="test-host", pool=lambda: SHARED_VERIFY_POOL._executor)
     spec = spec_for(simulator, parallelism=16, verifier="math", verify_processes=2,
                     responses_create_params={"max_output_tokens": 8})
     rows = list(math_rows(1200))
