@@ -137,7 +137,8 @@ async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     snapshots name the verifier's functions with the verifications they stand for."""
     sink = ListSink()
     snaps = []
-    cfg = ProfileConfig(session="t-run", scope="verify", budget_pct=5.0, window_s=1.0)
+    # a budget that surely lets some of the ~600 verifications be profiled (the budget itself: tests above)
+    cfg = ProfileConfig(session="t-run", scope="verify", budget_pct=25.0, window_s=1.0)
 
     def source():  # on from the 100th rollout to the 700th
         return cfg if 100 <= len(sink.results) < 700 else None
