@@ -18,6 +18,7 @@ server's message on 400), `.config() -> dict`, `.metrics_text() -> str`, `.get_j
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -198,3 +199,18 @@ def simulator_session():
     sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0)
     yield sim
     sim.stop()
+
+
+@contextlib.asynccontextmanager
+async def serve_locally(app):
+    """A small aiohttp app of a test's own on a free local port; yields its base URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

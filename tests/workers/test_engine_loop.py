@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.fixtures_simulator import serve_locally
 from tests.workers.test_engine import ListSink, math_rows, spec_for
 from workers.engine.loop import loop_factory, run
 from workers.engine.runner import run_collection
@@ -70,19 +71,12 @@ def test_streamed_requests_reuse_their_connections():
     async def main():
         app = web.Application()
         app.router.add_post("/v1/chat/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[f"http://127.0.0.1:{port}"], model="m"),
+        async with serve_locally(app) as url:
+            spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[url], model="m"),
                                   parallelism=3, verifier="exact", stream=True)
             rows = [TaskItem(i, 0, {"responses_create_params": {"input": "2+2?"}, "expected_answer": "4"})
                     for i in range(30)]
             return await run_collection(spec, rows, ListSink())
-        finally:
-            await runner.cleanup()
 
     summary = asyncio.run(main())
     assert summary.completed == 30 and not summary.fatal_error

@@ -198,20 +198,14 @@ async def test_scrape_simulator_metrics_over_http(simulator_factory):
 async def test_scraper_gives_up_on_endpoint_without_metrics():
     from aiohttp import web
 
-    app = web.Application()
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        s = VllmScraper(f"http://127.0.0.1:{port}/v1", timeout_s=1, give_up_after=2)
+    from tests.fixtures_simulator import serve_locally
+
+    async with serve_locally(web.Application()) as url:
+        s = VllmScraper(f"{url}/v1", timeout_s=1, give_up_after=2)
         r1 = await s.scrape()
         r2 = await s.scrape()
         r3 = await s.scrape()
         await s.close()
-    finally:
-        await runner.cleanup()
     assert not r1["ok"] and "404" in r1["error"]
     assert not r2["ok"] and not s.supported
     assert r3.get("unsupported")
