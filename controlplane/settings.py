@@ -215,6 +215,8 @@ JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
 # The dashboard warns when an admin operation (pause, weight update...) waited longer than this on the
 # client side (queue_ms = wall_ms - rpc_ms).
 ADMIN_QUEUE_ALERT_MS = env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0)
+# Redis back without its data: queued admin actions younger than this are sent again, older ones failed
+ADMIN_ACTION_RESEND_MAX_AGE_S = env.float("ADMIN_ACTION_RESEND_MAX_AGE_S", default=300.0)
 
 # --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
 # Model-server hosts users may register: "*" (anything) on a laptop, a list in production

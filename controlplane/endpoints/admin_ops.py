@@ -8,8 +8,10 @@ replica that does not answer is reported as `no_answer`), and never raise on net
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
+from datetime import timedelta
 from typing import Any
 
 from celery import current_app
@@ -24,6 +26,8 @@ from workers.engine.aggregate import quantile
 from . import versions
 from .models import AdminAction, AdminOperation, Endpoint, WeightVersion
 from .services import normalize_base_url, redact_text
+
+logger = logging.getLogger(__name__)
 
 KINDS = [k for k, _ in AdminOperation.Kind.choices]
 SIMPLE_KINDS = ("health", "reset_prefix_cache", "pause", "resume", "sleep", "wake_up", "prewarm")
@@ -230,6 +234,37 @@ def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> Adm
         raise QueueUnavailable("The task queue is unavailable; try again shortly.") from exc
     action.refresh_from_db()  # eager tasks (tests, CELERY_TASK_ALWAYS_EAGER) have already run it
     return action
+
+
+def recover_lost_actions(max_age_s: float | None = None, now=None) -> dict:
+    """The broker came back without its data (services.broker_lost_its_data): the queued actions' messages are
+    gone. A recent one is sent again (`execute` claims it atomically, so a message that did survive runs it
+    once); one older than `max_age_s` (setting ADMIN_ACTION_RESEND_MAX_AGE_S) is failed with the reason
+    instead: a weight update or pause asked for long ago may no longer be wanted, so it is for a person to ask
+    again. Returns {"resent": [ids], "expired": [ids]}."""
+    if max_age_s is None:
+        max_age_s = settings.ADMIN_ACTION_RESEND_MAX_AGE_S
+    now = now or timezone.now()
+    queued = AdminAction.objects.filter(state=AdminAction.State.QUEUED)
+    cutoff = now - timedelta(seconds=max_age_s)
+    expired = list(queued.filter(created_at__lt=cutoff).values_list("pk", flat=True))
+    if expired:
+        AdminAction.objects.filter(pk__in=expired, state=AdminAction.State.QUEUED).update(
+            state=AdminAction.State.FAILED, finished_at=now,
+            error=(f"the task queue lost this action (its Redis restarted without its data) and it was queued more "
+                   f"than {max_age_s:.0f} s ago, so it was not sent again; ask for it again if it is still wanted"))
+    resent = list(queued.filter(created_at__gte=cutoff).order_by("pk").values_list("pk", flat=True))
+    task = current_app.tasks["controlplane.endpoints.tasks.run_admin_action_task"]
+    for pk in resent:
+        try:
+            task.delay(pk)
+        except Exception as exc:  # noqa: BLE001 - kombu / redis errors: as in submit, said on the action
+            AdminAction.objects.filter(pk=pk, state=AdminAction.State.QUEUED).update(
+                state=AdminAction.State.FAILED, finished_at=timezone.now(),
+                error=f"the task queue is unavailable: {exc}"[:2000])
+    if resent or expired:
+        logger.warning("admin actions after the broker lost its data: sent again %s, expired %s", resent, expired)
+    return {"resent": resent, "expired": expired}
 
 
 def action_ok(kind: str, result: dict | None) -> bool:

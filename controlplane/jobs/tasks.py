@@ -26,6 +26,10 @@ def watchdog() -> dict:
     broker_lost = services.broker_lost_its_data()  # once: only one caller sees a given loss
     report = runtime.watchdog(broker_lost=broker_lost)
     report["verification_reclaimed"] = verification.reclaim_stale(broker_lost=broker_lost)
+    if broker_lost:
+        from controlplane.endpoints.admin_ops import recover_lost_actions
+
+        report["admin_actions"] = recover_lost_actions()
     report["broker_lost"] = broker_lost
     return report
 

@@ -418,7 +418,8 @@ def _match(a_rows, b_rows):
 
 def compare(a_rows, b_rows, *, a_total=None, b_total=None, a_units=None, b_units=None,
             tolerance=0.1) -> list[dict]:
-    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone.
+    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone
+    (or "not profiled" when one side has no profile at all).
 
     With the number of verifications behind each profile (a_units, b_units), the verdict compares a
     function's time per verification: a cache or a hoisted call lowers that while each remaining call
@@ -435,10 +436,10 @@ def compare(a_rows, b_rows, *, a_total=None, b_total=None, a_units=None, b_units
     out = []
     for x, y in _match(a_rows, b_rows):
         r = y or x
-        if x is None:
-            verdict = "new"
+        if x is None:  # a side with no rows at all sampled nothing: its functions are unknown, not gone
+            verdict = "not profiled" if not a_rows else "new"
         elif y is None:
-            verdict = "gone"
+            verdict = "not profiled" if not b_rows else "gone"
         elif cost(y, b_units) < cost(x, a_units) * (1 - tolerance):
             verdict = "faster"
         elif cost(y, b_units) > cost(x, a_units) * (1 + tolerance):
@@ -475,11 +476,14 @@ def compare_jobs(a_job, b_job) -> dict:
     a_rows = rows_of(list(ProfileSnapshot.objects.filter(job=a_job)))
     b_rows = rows_of(list(ProfileSnapshot.objects.filter(job=b_job)))
     ta, tb = job_throughput(a_job), job_throughput(b_job)
+    unprofiled = [str(j.pk) for j, rows in ((a_job, a_rows), (b_job, b_rows)) if not rows]
     return {
         "a": {"job": a_job.pk, "verifier": a_job.verifier, "throughput": ta, "total_s": a["total_s"],
-              "verifications": a["verifications"], "overhead_pct": a["overhead_pct"]},
+              "verifications": a["verifications"], "profiled": a["profiled"], "overhead_pct": a["overhead_pct"]},
         "b": {"job": b_job.pk, "verifier": b_job.verifier, "throughput": tb, "total_s": b["total_s"],
-              "verifications": b["verifications"], "overhead_pct": b["overhead_pct"]},
+              "verifications": b["verifications"], "profiled": b["profiled"], "overhead_pct": b["overhead_pct"]},
+        "warning": (f"job {' and '.join(unprofiled)} has no profile (profiling was not on while it verified): its "
+                    "functions cannot be compared" if unprofiled else ""),
         "throughput_ratio": (tb / ta) if ta and tb else None,
         "functions": compare(a_rows, b_rows, a_units=a["verifications"], b_units=b["verifications"]),
     }

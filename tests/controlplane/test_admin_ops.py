@@ -182,6 +182,35 @@ def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulat
     assert other.post(f"/api/endpoints/{ep.pk}/weights/", {"path": "/x"}, format="json").status_code == 404
 
 
+def test_queued_actions_lost_with_the_brokers_data_are_sent_again_or_expired(user, sim_endpoint, simulator_factory,
+                                                                           eager_tasks, monkeypatch):
+    """Redis came back without its data, so the queued actions' messages are gone: the watchdog sends a recent
+    one again (a worker runs it, once) and fails an old one with the reason, sending nothing for it."""
+    from controlplane.jobs import tasks
+
+    sim = simulator_factory()
+    ep = sim_endpoint(sim.url, owner=user)
+    recent = AdminAction.objects.create(endpoint=ep, trace_id="recent", kind="pause", params={"mode": "keep"})
+    old = AdminAction.objects.create(endpoint=ep, trace_id="old", kind="resume", params={})
+    AdminAction.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(minutes=30))
+    done = AdminAction.objects.create(endpoint=ep, trace_id="done", kind="resume", params={}, state="succeeded")
+
+    monkeypatch.setattr(services, "broker_lost_its_data", lambda: True)
+    report = tasks.watchdog()
+    assert report["broker_lost"] is True and report["admin_actions"] == {"resent": [recent.pk], "expired": [old.pk]}
+    recent.refresh_from_db()
+    old.refresh_from_db()
+    assert recent.state == "succeeded" and AdminOperation.objects.filter(trace_id="recent", kind="pause").exists()
+    assert sim.get_json("/is_paused")["is_paused"] is True
+    assert old.state == "failed" and "lost this action" in old.error and old.finished_at is not None
+    assert not AdminOperation.objects.filter(trace_id__in=["old", "done"]).exists()
+    assert AdminAction.objects.get(pk=done.pk).state == "succeeded"
+
+    monkeypatch.setattr(services, "broker_lost_its_data", lambda: False)  # the next beat: nothing lost, nothing sent
+    assert "admin_actions" not in tasks.watchdog()
+    assert AdminOperation.objects.filter(trace_id="recent").count() == 1
+
+
 def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simulator_factory, capsys, eager_tasks):
     a, b = simulator_factory(), simulator_factory()
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url], name="two-sims")

@@ -177,6 +177,13 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
     assert fn["lookup"]["verdict"] == "faster" and fn["lookup"]["d_tavg"] == pytest.approx(-0.17)
     assert fn["lookup"]["a"]["share"] == pytest.approx(1.9 / 2.5) and fn["lookup"]["d_ncall"] == 0
     assert fn["old"]["verdict"] == "gone" and fn["new"]["verdict"] == "new" and fn["new"]["d_ncall"] == 20
+    assert services.compare_jobs(a, b)["warning"] == ""
+
+    # a job whose profile sampled nothing: its functions are unknown, not gone, and the answer says why
+    c = job_services.create_job(owner=user, dataset=math_dataset(10), endpoint=ep, launch=False)
+    cmp = services.compare_jobs(a, c)
+    assert {f["verdict"] for f in cmp["functions"]} == {"not profiled"} and cmp["b"]["profiled"] == 0
+    assert f"job {c.pk} has no profile" in cmp["warning"]
 
 
 def test_profile_job_command(job):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from workers.engine.materialize import materialize
+from workers.profiling import core as profiling_core
 from workers.engine.runner import run_collection
 from workers.engine.verify_pool import (
     RemoteVerifierError, VerifyBatcher, VerifyPool, get_verify_pool, shutdown_verify_pool,
@@ -22,7 +23,11 @@ def test_verify_batch_reports_each_item_in_order():
     assert out[1][1] == "ValueError" and "nope" in out[1][2]
 
 
-async def test_batcher_matches_results_to_rollouts_and_batches_under_load():
+async def test_batcher_matches_results_to_rollouts_and_batches_under_load(monkeypatch):
+    # batches go out unwrapped: no profiling session, nor the grace period after one that ended earlier in
+    # this process (its wrapped calls carry more arguments than the counting submit below expects)
+    monkeypatch.setattr(profiling_core, "_ACTIVE", None)
+    monkeypatch.setattr(profiling_core, "_GRACE_UNTIL", 0.0)
     batcher = VerifyBatcher(asyncio.get_running_loop(), 1, max_batch=16)
     submits = []
     real_submit = get_verify_pool(1).submit

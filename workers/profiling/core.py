@@ -213,7 +213,8 @@ class _PoolState:
     """One pool process's session. Budget gating: a verification is profiled only while the extra time spent
     profiling so far (profiled time minus the mean unprofiled time, per profiled call) is within `budget` % of
     all the verification time of the session; so the cost holds to the budget whatever the profiler's
-    overhead on this verifier (4x on sympy-heavy code), and the sampled fraction follows from it."""
+    overhead on this verifier (4x on sympy-heavy code), and the sampled fraction follows from it. The one
+    exception: the session's first verification after the baseline is always profiled (see should_profile)."""
 
     def __init__(self):
         self.session = None
@@ -243,6 +244,11 @@ class _PoolState:
             return True
         if self.n_plain < 5:  # the unprofiled time per call first
             return False
+        if self.n_prof_all == 0:
+            # one per session whatever the budget: a session has a profile even of a verifier so fast that its
+            # whole budget would never pay for one read of the stats. A one-off cost (one profiled call and one
+            # read, a few ms), not one per verification or per window
+            return True
         u, p = self.per_item()
         expected = max(0.0, p - u) if u is not None else 0.0  # what this call would add
         # the window's read of the stats is paid for before it happens, and the measured costs may use only
