@@ -1,7 +1,17 @@
 """Shared fixtures. Model-server fixtures live in their own plugin modules."""
+import signal
+
 import pytest
 
 pytest_plugins = ["tests.fixtures_simulator", "tests.fixtures_vllm", "tests.fixtures_nemo_gym"]
+
+
+def pytest_configure(config):
+    # A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT ignored,
+    # and so would every process a test starts: Ctrl-C tests would see the CLI, and stop-by-SIGINT fixtures
+    # see ng_run, shrug it off. The tests' processes get Ctrl-C as they would in a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

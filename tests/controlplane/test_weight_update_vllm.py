@@ -6,6 +6,7 @@ each rollout with the version in force when it was dispatched (from the moment t
 """
 from __future__ import annotations
 
+import hashlib
 import subprocess
 
 import pytest
@@ -42,6 +43,9 @@ def greedy(url: str, model: str) -> str:
         "temperature": 0.0})
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
+
+
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()  # vLLM's checksum of a parameter with no elements
 
 
 def checksums(url: str) -> dict:
@@ -102,7 +106,12 @@ def test_update_weights_on_vllm_during_a_running_job(vllm_server, user, math_dat
     assert requests.get(f"{vllm_server.url}/is_paused", timeout=30).json()["is_paused"] is False
     assert greedy(vllm_server.url, vllm_server.model) != before
     sums_after = checksums(vllm_server.url)
-    assert sums_after.keys() == sums_before.keys() and all(sums_after[k] != sums_before[k] for k in sums_after)
+    # On a CPU with AVX-512, vLLM packs the linear layers' weights into a kernel-format copy and leaves an empty
+    # parameter behind, which the checksum sees as empty before and after; every tensor it can see changed
+    assert sums_after.keys() == sums_before.keys()
+    visible = [k for k in sums_after if sums_before[k] != EMPTY_DIGEST]
+    assert any("embed_tokens" in k for k in visible), visible
+    assert all(sums_after[k] != sums_before[k] for k in visible), [k for k in visible if sums_after[k] == sums_before[k]]
     assert WeightVersion.objects.get(endpoint=ep).weights_path == str(new_weights)
     # the job's page and API count rollouts per version, with their lag
     v = api.get(f"/api/jobs/{job.pk}/weight-versions/").json()

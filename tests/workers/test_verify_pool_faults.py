@@ -3,6 +3,7 @@ SIGKILLed (its pool processes must not outlive it)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,10 @@ async def test_a_verifier_that_kills_its_process_fails_only_its_rows_and_the_job
         assert set(failed) == {(t, k) for t in CRASHING for k in range(2)}, sorted(failed)
         for r in failed.values():
             assert r.failure_class == FailureClass.VERIFIER_ERROR
-            assert "VerifierCrashed" in r.error and "verifier process died" in r.error and "exit code 3" in r.error, r.error
+            assert "VerifierCrashed" in r.error and "verifier process died" in r.error, r.error
+            # the code it exited with, as the fork server reported it (CPython says 255 when the fork server could
+            # not report a child's status; the culprit was still found by verifying each suspect alone)
+            assert re.search(r"\(exit code (3|255|unknown)\)", r.error), r.error
         assert all(r.reward == 1.0 for r in sink.results if r.ok)  # innocent neighbours of a crash were verified
         # the pool was rebuilt and still works
         assert pool.executor(2).submit(os.getpid).result(timeout=30) > 0
