@@ -9,9 +9,10 @@ parallelism (default 16 and 64) by:
   product's engine sending every row to the agent's /run).
 
 Each is a whole command run in a subprocess, as a user runs it: rollouts/s is rollouts written / wall time
-of the command (start-up, input loading and output files included for both); "collect s" is the collection
-window each client reports itself (NeMo Gym's progress bar, the product's "This run: ... in X s"), so
-wall - collect is start-up and output files. Client CPU is user+system seconds of the command's process
+of the command (start-up, input loading and output files included for both); "collect s" is the time each
+client reports itself: NeMo Gym's progress bar's window (so its wall - collect is start-up and output files),
+the product's "This run: ... in X s", which counts from its command's start (so its wall - collect is the
+output files alone). Client CPU is user+system seconds of the command's process
 tree, and for the product also the PostgreSQL backends serving its database (shown again as "(DB)");
 client memory is its peak RSS (psutil every 0.1 s). "deploy CPU ms/roll" is the CPU the deployment
 (ng_run's process tree and the simulator) spent per rollout while that client ran: the same work per
