@@ -23,6 +23,24 @@ def _items(n):
     return [("math", {"expected_answer": str(i)}, f"so \\boxed{{{i}}}", {}, False) for i in range(n)]
 
 
+def _under_yappi(work, read):
+    """work() profiled by yappi in this process (CPU clock, builtins); returns read() of the stats, then clears them."""
+    import yappi
+
+    yappi.stop()
+    yappi.clear_stats()
+    yappi.set_clock_type("cpu")
+    yappi.start(builtins=True, profile_threads=False)
+    try:
+        work()
+    finally:
+        yappi.stop()
+    try:
+        return read()
+    finally:
+        yappi.clear_stats()
+
+
 def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns():
     core._STATE.__init__()
     cfg = ProfileConfig(session="t-all", scope="worker").pool_args()
@@ -102,21 +120,13 @@ def test_fast_stats_reader_gives_what_get_func_stats_gives():
     children, same figures as the public API, including code compiled per call (one row per name)."""
     import yappi
 
-    yappi.stop()
-    yappi.clear_stats()
-    yappi.set_clock_type("cpu")
-    yappi.start(builtins=True, profile_threads=False)
-    try:
+    def work():
         verify_items(_items(15))
         for i in range(3):
             exec(compile(f"x = {i} * 2", "<string>", "exec"), {})  # three code objects, one (module, line, name)
-    finally:
-        yappi.stop()
-    try:
-        fast = {r.key: r for r in core.read_yappi_rows()}
-        slow = {r.key: r for r in core.rows_from_yappi(yappi.get_func_stats())}
-    finally:
-        yappi.clear_stats()
+
+    fast, slow = _under_yappi(work, lambda: ({r.key: r for r in core.read_yappi_rows()},
+                                             {r.key: r for r in core.rows_from_yappi(yappi.get_func_stats())}))
     assert fast.keys() == slow.keys() and len(fast) > 50
     for k, s in slow.items():
         f = fast[k]
@@ -132,20 +142,7 @@ def test_hand_backs_merge_in_the_engine_scaled_to_all_verifications():
     when the batch's results arrive), each process's rows scaled by its verifications / profiled."""
     import pickle
 
-    import yappi
-
-    yappi.stop()
-    yappi.clear_stats()
-    yappi.set_clock_type("cpu")
-    yappi.start(builtins=True, profile_threads=False)
-    try:
-        verify_items(_items(10))
-    finally:
-        yappi.stop()
-    try:
-        blob = pickle.dumps(core.read_yappi_raw())
-    finally:
-        yappi.clear_stats()
+    blob = _under_yappi(lambda: verify_items(_items(10)), lambda: pickle.dumps(core.read_yappi_raw()))
     prof = core.Profiler("test-host")
     prof.config = ProfileConfig(session="t-merge")
     prof.add({"session": "t-merge", "stats": blob, "items": 40, "profiled": 10, "overhead_pct": 1.0})
