@@ -87,7 +87,7 @@ def merge_raw(into: dict, entries: list, scale: float = 1.0) -> dict:
     by_index = {e[8]: e for e in entries}
     kid_maps: dict = {}  # key -> {child key: child} for the rows this call touches (children are short lists)
     for name, module, lineno, ncall, _, _, ttot, tsub, _, children in entries:
-        if module == "_yappi" or module.endswith("yappi.py") and os.path.basename(module) == "yappi.py":
+        if module == "_yappi" or os.path.basename(module) == "yappi.py":
             continue
         key = (module, lineno, name)
         cur = into.get(key)
