@@ -393,7 +393,8 @@ def do_profile(client, args) -> int:
         log(f"profiling off for job {args.job}")
         return EXIT_OK
     if not args.show:
-        _, s = client.post_json(path, {"seconds": args.seconds, "scope": args.scope, "clock": args.clock})
+        _, s = client.post_json(path, {"seconds": args.seconds, "scope": args.scope, "clock": args.clock,
+                                       "budget_pct": args.budget_pct})
         log(f"profiling on for job {args.job}: session {s['id']} ({s['scope']}, {s['clock']} clock) for {args.seconds:.0f} s")
         if args.no_wait:
             return EXIT_OK
@@ -464,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--scope", choices=["verify", "worker"], default="verify")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    p.add_argument("--budget-pct", type=float, default=2.0,
+                   help="verify scope: throughput cost aimed at, in %% (default 2); 100 profiles every verification "
+                        "(exact call counts, the highest cost)")
     p.add_argument("--off", action="store_true", help="switch profiling off")
     p.add_argument("--show", action="store_true", help="print the newest profile without switching anything")
     p.add_argument("--no-wait", action="store_true", help="switch it on and return")

@@ -73,7 +73,9 @@ class ProfileStartSerializer(StrictJSONTypes, serializers.Serializer):
     seconds = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=services.MAX_SECONDS)
     scope = serializers.ChoiceField(choices=["verify", "worker"], default="verify")
     clock = serializers.ChoiceField(choices=["wall", "cpu"], default="wall")
-    budget_pct = serializers.FloatField(default=2.0, min_value=0.1, max_value=100)
+    budget_pct = serializers.FloatField(default=2.0, min_value=0.1, max_value=100,
+                                        help_text="verify scope: the throughput cost the sampling aims at, in %; "
+                                                  "100 profiles every verification (exact call counts)")
     window_s = serializers.FloatField(default=5.0, min_value=1, max_value=600)
     stats_urls = StatsUrlSerializer(many=True, required=False, default=list, max_length=16)
 

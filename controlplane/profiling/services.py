@@ -26,6 +26,7 @@ from .models import ProfileRow, ProfileSession, ProfileSnapshot
 logger = logging.getLogger(__name__)
 
 MAX_SECONDS = 24 * 3600
+MIN_SAMPLE = 30  # profiled verifications below which a comparison warns that its scaled figures are rough
 # frames of the product itself (the pool's batch loop, the profiler, the verifier registry): never flagged
 HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/verifiers/base.py", "concurrent/futures/",
            "multiprocessing/", "threading.py")
@@ -477,13 +478,22 @@ def compare_jobs(a_job, b_job) -> dict:
     b_rows = rows_of(list(ProfileSnapshot.objects.filter(job=b_job)))
     ta, tb = job_throughput(a_job), job_throughput(b_job)
     unprofiled = [str(j.pk) for j, rows in ((a_job, a_rows), (b_job, b_rows)) if not rows]
+    thin = [f"job {j.pk}: {p['profiled']} of {p['verifications']}"
+            for j, p, rows in ((a_job, a, a_rows), (b_job, b, b_rows))
+            if rows and p["profiled"] and p["profiled"] < min(MIN_SAMPLE, p["verifications"] or 0)]
+    warnings = []
+    if unprofiled:
+        warnings.append(f"job {' and '.join(unprofiled)} has no profile (profiling was not on while it verified): "
+                        "its functions cannot be compared")
+    if thin:
+        warnings.append(f"call counts and times are scaled from few profiled verifications ({'; '.join(thin)}): "
+                        "they may be far off; profile longer, or with budget_pct 100 for exact counts")
     return {
         "a": {"job": a_job.pk, "verifier": a_job.verifier, "throughput": ta, "total_s": a["total_s"],
               "verifications": a["verifications"], "profiled": a["profiled"], "overhead_pct": a["overhead_pct"]},
         "b": {"job": b_job.pk, "verifier": b_job.verifier, "throughput": tb, "total_s": b["total_s"],
               "verifications": b["verifications"], "profiled": b["profiled"], "overhead_pct": b["overhead_pct"]},
-        "warning": (f"job {' and '.join(unprofiled)} has no profile (profiling was not on while it verified): its "
-                    "functions cannot be compared" if unprofiled else ""),
+        "warning": " ".join(warnings),
         "throughput_ratio": (tb / ta) if ta and tb else None,
         "functions": compare(a_rows, b_rows, a_units=a["verifications"], b_units=b["verifications"]),
     }

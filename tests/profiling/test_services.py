@@ -185,6 +185,14 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
     assert {f["verdict"] for f in cmp["functions"]} == {"not profiled"} and cmp["b"]["profiled"] == 0
     assert f"job {c.pk} has no profile" in cmp["warning"]
 
+    # a job profiled on a handful of its verifications: its scaled counts are rough, and the answer says so
+    d = job_services.create_job(owner=user, dataset=math_dataset(10), endpoint=ep, launch=False)
+    services.record(d.pk, [snap(services.start(d), [FuncRow("/y/v2.py", 15, "normalize", 60, 0.2, 0.2, 0.02)],
+                                verifications=600, profiled=7)])
+    cmp = services.compare_jobs(a, d)
+    assert f"job {d.pk}: 7 of 600" in cmp["warning"] and "budget_pct 100" in cmp["warning"]
+    assert f"job {a.pk}:" not in cmp["warning"]  # a: all 10 of its 10 verifications profiled
+
 
 def test_profile_job_command(job):
     out = io.StringIO()

@@ -2,11 +2,12 @@
 
 Two scopes:
 * "verify" (default): the verifier processes of the engine's pool. Each pool process profiles some of the
-  verifications it runs (at most the first of a batch, yappi started and stopped around it alone; the rest of
-  the batch runs as one call, as it does with profiling off), measures how much longer a profiled
-  verification takes than an unprofiled one, and profiles the next one only while that extra time (and the
-  read of the stats it hands back once per window) is within half of a budget (default 2 %) of all its
-  verification time, so the throughput cost holds to the budget.
+  verifications it runs (each alone, yappi started and stopped around it; the runs between them go as one
+  call, as they do with profiling off), measures how much longer a profiled verification takes than an
+  unprofiled one, and profiles the next one only once that extra time (and the read of the stats it hands
+  back once per window) is within half of a budget (default 2 %) of all its verification time, so the
+  throughput cost holds to the budget. Which verification comes next is counted in verifications, across
+  batches, so that no kind of verification (e.g. the first of a batch) is favoured by the sample.
   Figures are scaled to all verifications (x verifications / profiled), so ncall, tsub and ttot estimate
   the whole window; tavg is not scaled (it is measured under the profiler: inflated by its overhead).
 * "worker": the whole worker process (every thread: event loop, sink, control) with yappi running

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import os
 import pickle
 import random
@@ -16,7 +17,7 @@ import yappi
 log = logging.getLogger(__name__)
 
 FLUSH_S = 5.0  # default: a pool process hands its rows back at most once per window (with a batch's results)
-AIM = 0.5  # share of the budget the measured profiling costs may use (see _PoolState.should_profile)
+AIM = 0.5  # share of the budget the measured profiling costs may use (see _PoolState.plain_before_next)
 READ_EST_S = 0.01  # what reading the stats is assumed to cost before it has been measured once
 GRACE_S = 10.0  # after a session ends, batches still go through the wrapper so that every process flushes
 _MARK = "__profiled__"
@@ -175,7 +176,7 @@ class ProfileConfig:
     session: str  # identifies one "profile for N seconds" request
     scope: str = "verify"  # "verify" | "worker"
     clock: str = "wall"  # "wall" | "cpu"
-    budget_pct: float = 2.0  # verify scope: the throughput cost the sampling aims at
+    budget_pct: float = 2.0  # verify scope: the throughput cost the sampling aims at; 100: every verification
     window_s: float = 5.0  # one snapshot per window
     builtins: bool = True  # C functions too (time.sleep, socket methods): needed to see blocking calls
 
@@ -186,7 +187,8 @@ class ProfileConfig:
             raise ValueError(f"profiling clock must be 'wall' or 'cpu', not {self.clock!r}")
 
     def pool_args(self) -> tuple:
-        budget = None if self.scope == "worker" else float(self.budget_pct)
+        # a budget of 100 % is no cap at all: every verification, exact counts (what NeMo Gym's profiling does)
+        budget = None if self.scope == "worker" or float(self.budget_pct) >= 100 else float(self.budget_pct)
         return (self.session, self.clock, budget, bool(self.builtins), max(1.0, float(self.window_s)))
 
 
@@ -214,7 +216,7 @@ class _PoolState:
     profiling so far (profiled time minus the mean unprofiled time, per profiled call) is within `budget` % of
     all the verification time of the session; so the cost holds to the budget whatever the profiler's
     overhead on this verifier (4x on sympy-heavy code), and the sampled fraction follows from it. The one
-    exception: the session's first verification after the baseline is always profiled (see should_profile)."""
+    exception: the session's first verification after the baseline is always profiled (see plain_before_next)."""
 
     def __init__(self):
         self.session = None
@@ -239,22 +241,34 @@ class _PoolState:
             return None, None
         return self.u_ema, self.t_prof_all / self.n_prof_all
 
-    def should_profile(self) -> bool:
+    def plain_before_next(self) -> int | None:
+        """How many verifications to run unprofiled before the next profiled one (0: the next one is profiled;
+        None: none is affordable yet). Counted in verifications across batches, not once per batch: a batch's
+        first item is often of a kind (a batch of one goes out when the pool is idle, e.g. the first repeat of
+        a task, which misses a verifier's cache), and profiling it would skew the scaled figures."""
         if self.budget is None:
-            return True
+            return 0
+        if self.budget <= 0:  # the pool's wrapper and windows only (the profiling bench's "plumbing" arm)
+            return None
         if self.n_plain < 5:  # the unprofiled time per call first
-            return False
+            return 5 - self.n_plain
         if self.n_prof_all == 0:
             # one per session whatever the budget: a session has a profile even of a verifier so fast that its
             # whole budget would never pay for one read of the stats. A one-off cost (one profiled call and one
             # read, a few ms), not one per verification or per window
-            return True
+            return 0
         u, p = self.per_item()
-        expected = max(0.0, p - u) if u is not None else 0.0  # what this call would add
+        expected = max(0.0, p - u)  # what the profiled call would add
         # the window's read of the stats is paid for before it happens, and the measured costs may use only
         # AIM of the budget: the budget is a ceiling, and what the gate cannot measure (pickling the rows back,
-        # caches the profiled call evicts, the error of its own estimate) takes the rest
-        return self.spent + self.read_est + expected <= AIM * (self.budget / 100.0) * self.t_all
+        # caches the profiled call evicts, the error of its own estimate) takes the rest. `need`: the
+        # verification time still to run before the next profiled call is within the budget
+        need = (self.spent + self.read_est + expected) / (AIM * self.budget / 100.0) - self.t_all
+        if need <= 0:
+            return 0
+        if not u or u <= 0:
+            return None
+        return math.ceil(need / u)
 
 
 _STATE = _PoolState()
@@ -313,11 +327,48 @@ def payload_rows(payload: dict, scale: float = 1.0, into: dict | None = None) ->
     return merge_raw(into, stats, scale)
 
 
+def _run_plain(st: _PoolState, fn, items) -> list:
+    """Verifications run as one call, as without profiling; their mean time is the unprofiled time per call."""
+    n = len(items)
+    t = time.perf_counter()
+    out = fn(items)
+    dt = time.perf_counter() - t
+    st.w_items += n
+    st.w_time += dt
+    st.t_all += dt
+    st.n_plain += n
+    st.t_plain += dt
+    w = 0.95 ** n  # a moving average per call, as if the n calls had been timed one by one
+    st.u_ema = dt / n if st.u_ema is None else w * st.u_ema + (1 - w) * dt / n
+    return out
+
+
+def _run_profiled(st: _PoolState, fn, items) -> list:
+    """One verification alone between a yappi start and stop (always after the unprofiled baseline)."""
+    t = time.perf_counter()
+    yappi.start(builtins=st.builtins, profile_threads=False)
+    try:
+        out = fn(items)
+    finally:
+        yappi.stop()
+    dt = time.perf_counter() - t
+    st.w_items += 1
+    st.w_prof += 1
+    st.n_prof_all += 1
+    st.w_time += dt
+    st.t_all += dt
+    st.t_prof_all += dt
+    extra = max(0.0, dt - st.u_ema)
+    st.spent += extra
+    st.w_spent += extra
+    return out
+
+
 def _profiled_batch(fn, items, cfg):
     """In a pool process: run `fn` (the engine's batch verifier) on `items`, profiling the items the budget
     allows (all of them when the budget is None) for the session in `cfg`; cfg None ends any session.
-    With a budget, at most the first item of a batch is profiled (alone, between a yappi start and stop) and
-    the rest run as one call, as they would without profiling: the unprofiled time per call is their mean."""
+    With a budget, the items plain_before_next() picks are profiled one by one (alone, between a yappi start and
+    stop) and the runs between them go as one call each, as they would without profiling."""
     st = _STATE
     payload = None
     if st.session is not None and (cfg is None or cfg[0] != st.session):
@@ -346,37 +397,17 @@ def _profiled_batch(fn, items, cfg):
         st.t_prof_all += dt
     else:
         out = []
-        rest = items
-        if st.should_profile():
-            t = time.perf_counter()
-            yappi.start(builtins=st.builtins, profile_threads=False)
-            try:
-                out = fn(items[:1])
-            finally:
-                yappi.stop()
-            dt = time.perf_counter() - t
-            rest = items[1:]
-            st.w_items += 1
-            st.w_prof += 1
-            st.n_prof_all += 1
-            st.w_time += dt
-            st.t_all += dt
-            st.t_prof_all += dt
-            extra = max(0.0, dt - st.u_ema)  # should_profile() needs u_ema first
-            st.spent += extra
-            st.w_spent += extra
-        if rest:
-            n = len(rest)
-            t = time.perf_counter()
-            out = out + fn(rest) if out else fn(rest)
-            dt = time.perf_counter() - t
-            st.w_items += n
-            st.w_time += dt
-            st.t_all += dt
-            st.n_plain += n
-            st.t_plain += dt
-            w = 0.95 ** n  # a moving average per call, as if the n calls had been timed one by one
-            st.u_ema = dt / n if st.u_ema is None else w * st.u_ema + (1 - w) * dt / n
+        i = 0
+        while i < len(items):
+            k = st.plain_before_next()
+            if k is None or i + k >= len(items):
+                out += _run_plain(st, fn, items[i:])
+                break
+            if k:  # the item to profile is decided before these run: their own times do not move the choice
+                out += _run_plain(st, fn, items[i:i + k])
+                i += k
+            out += _run_profiled(st, fn, items[i:i + 1])
+            i += 1
     if payload is None and st.w_prof and time.monotonic() - st.last_flush >= st.flush_s:
         payload = _flush(st)
     return (_MARK, out, payload)

@@ -37,7 +37,9 @@ class Command(BaseCommand):
         parser.add_argument("--seconds", type=float, default=60.0)
         parser.add_argument("--scope", choices=["verify", "worker"], default="verify")
         parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-        parser.add_argument("--budget-pct", type=float, default=2.0, help="verify scope: throughput cost aimed at")
+        parser.add_argument("--budget-pct", type=float, default=2.0,
+                            help="verify scope: throughput cost aimed at, in %% (default 2); 100 profiles every "
+                                 "verification (exact call counts, the highest cost)")
         parser.add_argument("--no-wait", action="store_true", help="switch it on and return")
         parser.add_argument("--off", action="store_true", help="switch profiling off")
         parser.add_argument("--show", action="store_true", help="print the newest profile only")
