@@ -1,4 +1,4 @@
-"""The job page is a list of panels, rendered in order. A panel is a template (it receives the
+"""The job page is a list of panels, rendered in order (the compare page has sections added the same way). A panel is a template (it receives the
 page's context: `job`, `snapshot`, ... and `panel_ctx`, what its own context function returns). Later work
 (diagnosis, profiling) adds a panel with `register_panel` from its app's `ready()`:
 
@@ -59,6 +59,26 @@ def register_panel(template: str, *, name: str | None = None, context: Callable 
                 return panel
     JOB_PANELS.append(panel)
     return panel
+
+
+# Sections of the compare page that other apps add (profiling: per function), after the built-in ones.
+# context(request, jobs) returns the section's `section_ctx`, or None to leave the section out.
+COMPARE_SECTIONS: list[Panel] = []
+
+
+def register_compare_section(template: str, *, name: str, context: Callable) -> Panel:
+    section = Panel(name, template, context)
+    COMPARE_SECTIONS[:] = [s for s in COMPARE_SECTIONS if s.name != name] + [section]
+    return section
+
+
+def render_compare_sections(request, jobs) -> list[dict]:
+    out = []
+    for s in COMPARE_SECTIONS:
+        ctx = s.context(request, jobs)
+        if ctx is not None:
+            out.append({"name": s.name, "template": s.template, "context": ctx})
+    return out
 
 
 def render_list(request, job) -> list[dict]:

@@ -383,7 +383,8 @@ def compare(request):
         raise Http404("no such job")
     jobs = [by_id[i] for i in ids]
     return render(request, "dashboard/compare.html", {
-        "choices": choices, "selected": ids, "jobs": jobs, "result": compare_mod.compare_jobs(jobs)})
+        "choices": choices, "selected": ids, "jobs": jobs, "result": compare_mod.compare_jobs(jobs),
+        "sections": panels.render_compare_sections(request, jobs)})
 
 
 # --- History ----------------------------------------------------------------------------------

@@ -4,6 +4,26 @@ from __future__ import annotations
 from . import services
 
 
+COMPARE_TOP = 25  # functions listed per pair on the compare page (the API has them all)
+
+
+def compare_context(request, jobs) -> dict | None:
+    """The compare page's profiling section: the first job against each other one, per function; left out
+    when none of the jobs was profiled."""
+    try:
+        pairs = []
+        for other in jobs[1:]:
+            cmp = services.compare_jobs(jobs[0], other)
+            cmp["shown"] = cmp["functions"][:COMPARE_TOP]
+            cmp["a_job"], cmp["b_job"] = jobs[0], other
+            pairs.append(cmp)
+    except Exception as exc:  # noqa: BLE001  (the compare page renders without this section's data)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if not any(p["functions"] for p in pairs):
+        return None
+    return {"pairs": pairs, "top": COMPARE_TOP}
+
+
 def panel_context(request, job) -> dict:
     try:
         prof = services.job_profile(job)

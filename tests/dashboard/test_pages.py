@@ -176,6 +176,7 @@ def test_compare_two_jobs_per_task(client_alice, alice):
     assert pair["a_only"] == [0, 1, 2, 3] and pair["b_only"] == [6, 7, 8, 9] and pair["both"] == 2 and pair["neither"] == 0
     html = resp.content.decode()
     assert 'id="compare-summary"' in html and 'id="compare-params"' in html
+    assert 'id="compare-profiles"' not in html  # neither job was profiled: no per-function section
 
 
 def test_history_and_csv_export(client_alice, alice_job):

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import pstats
+import re
 import sys
 import time
 import uuid
 
 import pytest
+from django.test import Client
+from django.urls import reverse
 from rest_framework.test import APIClient
 
 from controlplane.jobs import services as job_services
@@ -90,7 +93,12 @@ def test_planted_slow_verifier_flagged_then_fixed_one_compared(user, api, math_d
         job = jobs[verifier] = _job(user, dataset, endpoint, verifier, 600, num_repeats=10)
         # started with profiling on: the session exists before the worker takes the chunk. CPU clock: the two
         # jobs run one after the other on a shared machine, and wall time per call moves with its load
-        r = api.post(f"/api/jobs/{job.pk}/profile/", {"scope": "verify", "clock": "cpu", "budget_pct": 50,
+        # jobs run one after the other on a shared machine, and wall time per call moves with its load. The slow
+        # verifier is sampled (a budget of 50 %), its figures scaled to all calls; the fixed one is so fast that
+        # any budget samples only a handful of its 600 verifications, too few to count what its cache saves:
+        # 100 profiles every one
+        budget = 50 if verifier == "planted_slow" else 100
+        r = api.post(f"/api/jobs/{job.pk}/profile/", {"scope": "verify", "clock": "cpu", "budget_pct": budget,
                                                       "window_s": 1}, format="json")
         assert r.status_code == 201, r.content
         _launch(job, worker.queue)
@@ -115,6 +123,7 @@ def test_planted_slow_verifier_flagged_then_fixed_one_compared(user, api, math_d
 
     cmp = api.get("/api/profiles/compare/", {"a": jobs["planted_slow"].pk, "b": jobs["planted_fixed"].pk}).json()
     fn = {f["name"]: f for f in cmp["functions"]}
+    assert cmp["b"]["profiled"] == 600 and cmp["a"]["profiled"] >= 30 and cmp["warning"] == "", cmp
     # the set lookup makes each call cheap: its verdict and tavg fall
     assert fn["is_known_answer"]["verdict"] == "faster", fn["is_known_answer"]
     assert fn["is_known_answer"]["b"]["tavg"] < fn["is_known_answer"]["a"]["tavg"] / 5
@@ -128,6 +137,19 @@ def test_planted_slow_verifier_flagged_then_fixed_one_compared(user, api, math_d
     print(f"throughput {cmp['a']['throughput']:.0f} -> {cmp['b']['throughput']:.0f} rollouts/s; "
           f"is_known_answer tavg {fn['is_known_answer']['a']['tavg'] * 1e3:.3f} -> "
           f"{fn['is_known_answer']['b']['tavg'] * 1e3:.4f} ms")
+
+    # the same comparison on the dashboard's compare page, where a user picks the two jobs
+    page = Client()
+    page.force_login(user)
+    html = page.get(reverse("dashboard:compare"),
+                    {"jobs": [jobs["planted_slow"].pk, jobs["planted_fixed"].pk]}).content.decode()
+    section = html[html.index('id="compare-profiles"'):]
+    for name in ("is_known_answer", "normalize_answer"):
+        row = re.search(rf'<tr data-function="{name}" data-verdict="(\w+)">(.*?)</tr>', section, re.S)
+        assert row and row.group(1) == "faster", (name, row and row.group(0))
+        ncall_b = re.search(r'class="ncall-b">(\d+)<', row.group(2)).group(1)
+        assert int(ncall_b) == fn[name]["b"]["ncall"]
+    assert "600 of 600 verifications profiled" in section and 'class="warning"' not in section
 
     # exports
     r = api.get(f"/api/jobs/{jobs['planted_slow'].pk}/profile/export/", {"type": "pstats"})

@@ -44,3 +44,12 @@ def get_item(d, key):
         return d.get(key)
     except AttributeError:
         return None
+
+
+@register.filter
+def ms(seconds, digits=3):
+    """Seconds as milliseconds ('—' when unknown): the unit profiles and latencies are read in."""
+    try:
+        return f"{1000.0 * float(seconds):,.{int(digits)}f}"
+    except (TypeError, ValueError):
+        return "—"
