@@ -1,6 +1,7 @@
-"""The job page is a list of panels, rendered in order (the compare page has sections added the same way). A panel is a template (it receives the
-page's context: `job`, `snapshot`, ... and `panel_ctx`, what its own context function returns). Later work
-(diagnosis, profiling) adds a panel with `register_panel` from its app's `ready()`:
+"""The job page is a list of panels, rendered in order (the compare page has sections added the same way,
+`register_compare_section`). A panel is a template (it receives the page's context: `job`, `snapshot`, ...
+and `panel_ctx`, what its own context function returns). Later work (diagnosis, profiling) adds a panel
+with `register_panel` from its app's `ready()`:
 
     from controlplane.dashboard.panels import register_panel
     register_panel("diagnostics/panels/diagnosis.html", context=lambda request, job: {...}, after="charts")

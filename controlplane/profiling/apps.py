@@ -8,11 +8,9 @@ class ProfilingConfig(AppConfig):
 
     def ready(self):
         try:
-            from controlplane.dashboard.panels import register_panel
+            from controlplane.dashboard.panels import register_compare_section, register_panel
         except Exception:  # the dashboard app is optional for this one
             return
-        from controlplane.dashboard.panels import register_compare_section
-
         from .views import compare_context, panel_context
 
         register_panel("profiling/panel.html", name="profiling", context=panel_context, after="timing", live=True)
