@@ -226,6 +226,7 @@ class _PoolState:
         self.t_plain = self.t_prof_all = 0.0
         self.t_all = 0.0  # all verification time of the session
         self.u_ema = None  # recent unprofiled time per call (a moving average: forgets a slow first call)
+        self.just_profiled = False  # the last verification was profiled: the next one runs plain
         self.spent = 0.0  # extra time spent profiling (slower profiled calls, and reading the stats)
         self.read_est = READ_EST_S  # what the next read of the stats will cost (the last read's cost)
         self.flush_s = FLUSH_S
@@ -252,12 +253,23 @@ class _PoolState:
             return None
         if self.n_plain < 5:  # the unprofiled time per call first
             return 5 - self.n_plain
+        if self.just_profiled:
+            # never two profiled in a row: the unprofiled time per call, which the cost of profiling is measured
+            # against, must keep being measured (were it stale, e.g. held a slow warm-up, every profiled call
+            # would look free and the gate would profile everything)
+            n = self._plain_needed()
+            return None if n is None else max(1, n)
         if self.n_prof_all == 0:
             # one per session whatever the budget: a session has a profile even of a verifier so fast that its
             # whole budget would never pay for one read of the stats. A one-off cost (one profiled call and one
             # read, a few ms), not one per verification or per window
             return 0
+        return self._plain_needed()
+
+    def _plain_needed(self) -> int | None:
         u, p = self.per_item()
+        if u is None:
+            return 0
         expected = max(0.0, p - u)  # what the profiled call would add
         # the window's read of the stats is paid for before it happens, and the measured costs may use only
         # AIM of the budget: the budget is a ceiling, and what the gate cannot measure (pickling the rows back,
@@ -338,8 +350,13 @@ def _run_plain(st: _PoolState, fn, items) -> list:
     st.t_all += dt
     st.n_plain += n
     st.t_plain += dt
-    w = 0.95 ** n  # a moving average per call, as if the n calls had been timed one by one
-    st.u_ema = dt / n if st.u_ema is None else w * st.u_ema + (1 - w) * dt / n
+    st.just_profiled = False
+    per = dt / n
+    if st.u_ema is None or per < st.u_ema / 4:
+        st.u_ema = per  # the average held a warm-up (first imports, cold caches): start again from here
+    else:
+        w = 0.95 ** n  # a moving average per call, as if the n calls had been timed one by one
+        st.u_ema = w * st.u_ema + (1 - w) * per
     return out
 
 
@@ -358,6 +375,7 @@ def _run_profiled(st: _PoolState, fn, items) -> list:
     st.w_time += dt
     st.t_all += dt
     st.t_prof_all += dt
+    st.just_profiled = True
     extra = max(0.0, dt - st.u_ema)
     st.spent += extra
     st.w_spent += extra
