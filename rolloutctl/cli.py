@@ -412,6 +412,9 @@ def do_profile(client, args) -> int:
     over = f", measured overhead {prof['overhead_pct']:.2f}%" if prof["overhead_pct"] is not None else ""
     print(f"{prof['snapshots']} snapshots from {len(prof['workers'])} worker(s), {prof['verifications']} verifications"
           f" ({prof['profiled']} profiled){over}")
+    if prof.get("few_samples"):
+        print(f"note: figures are scaled from only {prof['profiled']} profiled verifications and may be far off; "
+              "profile longer, or with --budget-pct 100 for exact counts")
     print(f"{'name':<70} {'ncall':>9} {'tsub':>10} {'ttot':>10} {'tavg':>10}")
     for r in prof["rows"][:args.top]:
         name = f"{r['module']}:{r['line']} {r['name']}"

@@ -187,18 +187,29 @@ def rows_of(snapshots) -> list[FuncRow]:
     return sorted(merged.values(), key=lambda r: -r.ttot)
 
 
+def sample_figures(snaps) -> dict:
+    """What a set of snapshots adds up to: merged rows, the verifications behind them, how many were
+    profiled, the measured overhead (weighted by verifications), and whether the sample is thin."""
+    rows = rows_of(snaps)
+    verifications = sum(s.verifications for s in snaps)
+    profiled = sum(s.profiled for s in snaps)
+    over = [(s.verifications, s.overhead_pct) for s in snaps if s.overhead_pct is not None and s.verifications]
+    overhead = (sum(v * o for v, o in over) / sum(v for v, _ in over)) if over else None
+    return {"rows": rows, "verifications": verifications, "profiled": profiled,
+            "overhead_pct": None if overhead is None else round(overhead, 3),
+            "total_s": sum(max(0.0, r.tsub) for r in rows),
+            # figures scaled from a handful of verifications: call counts may be far off
+            "few_samples": bool(rows) and 0 < profiled < min(MIN_SAMPLE, verifications)}
+
+
 def job_profile(job, session=None) -> dict:
     """The job's profile: every snapshot of `session` (default: the newest session with snapshots)."""
     sessions = ProfileSession.objects.filter(job=job)
     if session is None:
         session = sessions.filter(snapshots__isnull=False).distinct().order_by("-started_at", "-pk").first()
     snaps = list(ProfileSnapshot.objects.filter(session=session)) if session else []
-    rows = rows_of(snaps)
-    verifications = sum(s.verifications for s in snaps)
-    profiled = sum(s.profiled for s in snaps)
-    over = [(s.verifications, s.overhead_pct) for s in snaps if s.overhead_pct is not None and s.verifications]
-    overhead = (sum(v * o for v, o in over) / sum(v for v, _ in over)) if over else None
-    total = sum(max(0.0, r.tsub) for r in rows)
+    fig = sample_figures(snaps)
+    rows, verifications, total = fig["rows"], fig["verifications"], fig["total_s"]
     latest = snaps[0] if snaps else None
     current = active_session(job.pk)
     return {
@@ -211,8 +222,9 @@ def job_profile(job, session=None) -> dict:
         if snaps else None,
         "latest_window_end": latest.window_end.isoformat() if latest else None,
         "verifications": verifications,
-        "profiled": profiled,
-        "overhead_pct": None if overhead is None else round(overhead, 3),
+        "profiled": fig["profiled"],
+        "few_samples": fig["few_samples"],
+        "overhead_pct": fig["overhead_pct"],
         "total_s": total,
         "rows": [row_payload(r, total) for r in rows],
         "red_flags": red_flags(rows, verifications=verifications, job=job),
@@ -473,14 +485,13 @@ def job_throughput(job) -> float | None:
 
 
 def compare_jobs(a_job, b_job) -> dict:
-    a, b = job_profile(a_job), job_profile(b_job)
-    a_rows = rows_of(list(ProfileSnapshot.objects.filter(job=a_job)))
-    b_rows = rows_of(list(ProfileSnapshot.objects.filter(job=b_job)))
-    ta, tb = job_throughput(a_job), job_throughput(b_job)
-    unprofiled = [str(j.pk) for j, rows in ((a_job, a_rows), (b_job, b_rows)) if not rows]
-    thin = [f"job {j.pk}: {p['profiled']} of {p['verifications']}"
-            for j, p, rows in ((a_job, a, a_rows), (b_job, b, b_rows))
-            if rows and p["profiled"] and p["profiled"] < min(MIN_SAMPLE, p["verifications"] or 0)]
+    """Two jobs per function, each from all of its profiled windows (every session), the rows and the
+    verifications behind them from the same snapshots."""
+    a = sample_figures(list(ProfileSnapshot.objects.filter(job=a_job)))
+    b = sample_figures(list(ProfileSnapshot.objects.filter(job=b_job)))
+    sides = ((a_job, a), (b_job, b))
+    unprofiled = [str(j.pk) for j, f in sides if not f["rows"]]
+    thin = [f"job {j.pk}: {f['profiled']} of {f['verifications']}" for j, f in sides if f["few_samples"]]
     warnings = []
     if unprofiled:
         warnings.append(f"job {' and '.join(unprofiled)} has no profile (profiling was not on while it verified): "
@@ -488,14 +499,18 @@ def compare_jobs(a_job, b_job) -> dict:
     if thin:
         warnings.append(f"call counts and times are scaled from few profiled verifications ({'; '.join(thin)}): "
                         "they may be far off; profile longer, or with budget_pct 100 for exact counts")
+    ta, tb = job_throughput(a_job), job_throughput(b_job)
+
+    def side(job, f, throughput):
+        return {"job": job.pk, "verifier": job.verifier, "throughput": throughput, "total_s": f["total_s"],
+                "verifications": f["verifications"], "profiled": f["profiled"], "overhead_pct": f["overhead_pct"]}
+
     return {
-        "a": {"job": a_job.pk, "verifier": a_job.verifier, "throughput": ta, "total_s": a["total_s"],
-              "verifications": a["verifications"], "profiled": a["profiled"], "overhead_pct": a["overhead_pct"]},
-        "b": {"job": b_job.pk, "verifier": b_job.verifier, "throughput": tb, "total_s": b["total_s"],
-              "verifications": b["verifications"], "profiled": b["profiled"], "overhead_pct": b["overhead_pct"]},
+        "a": side(a_job, a, ta),
+        "b": side(b_job, b, tb),
         "warning": " ".join(warnings),
         "throughput_ratio": (tb / ta) if ta and tb else None,
-        "functions": compare(a_rows, b_rows, a_units=a["verifications"], b_units=b["verifications"]),
+        "functions": compare(a["rows"], b["rows"], a_units=a["verifications"], b_units=b["verifications"]),
     }
 
 

@@ -21,6 +21,9 @@ if (panel && !panel.dataset.wired) {
       s += ".";
     }
     st.textContent = s;
+    const few = panel.querySelector("#profiling-few-samples");
+    few.hidden = !p.few_samples;
+    few.querySelector(".n").textContent = p.profiled;
     panel.querySelector("#profiling-flags").innerHTML = p.red_flags.map((f) =>
       `<li data-kind="${esc(f.kind)}"><strong>${esc(f.kind)}</strong> ${esc(f.label)}: ${esc(f.figure)} — <span class="muted">${esc(f.advice)}</span></li>`).join("");
     const rows = [...p.rows].sort((a, b) => {

@@ -192,6 +192,17 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
     cmp = services.compare_jobs(a, d)
     assert f"job {d.pk}: 7 of 600" in cmp["warning"] and "budget_pct 100" in cmp["warning"]
     assert f"job {a.pk}:" not in cmp["warning"]  # a: all 10 of its 10 verifications profiled
+    assert services.job_profile(d)["few_samples"] and not services.job_profile(a)["few_samples"]
+
+    # a second session of d: the comparison takes every window of the job, its rows and the verifications
+    # behind them alike (per-verification figures stay right), and 37 profiled is no longer a thin sample
+    services.record(d.pk, [snap(services.start(d), [FuncRow("/y/v2.py", 15, "normalize", 300, 1.0, 1.0, 0.02)],
+                                verifications=300, profiled=30)])
+    cmp = services.compare_jobs(a, d)
+    assert cmp["b"]["verifications"] == 900 and cmp["b"]["profiled"] == 37 and cmp["warning"] == ""
+    norm = next(f for f in cmp["functions"] if f["name"] == "normalize")
+    assert norm["b"]["ncall"] == 360 and norm["b"]["per_verification"] == pytest.approx(1.2 / 900)
+    assert services.job_profile(d)["verifications"] == 300  # the job's page shows its newest session
 
 
 def test_profile_job_command(job):
