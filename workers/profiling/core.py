@@ -237,6 +237,20 @@ class _PoolState:
         self.w_time = self.w_spent = 0.0
         self.last_flush = time.monotonic()
 
+    def count(self, n: int, dt: float, *, profiled: bool) -> None:
+        """n verifications that took dt seconds, profiled or not."""
+        self.w_items += n
+        self.w_time += dt
+        self.t_all += dt
+        self.just_profiled = profiled
+        if profiled:
+            self.w_prof += n
+            self.n_prof_all += n
+            self.t_prof_all += dt
+        else:
+            self.n_plain += n
+            self.t_plain += dt
+
     def per_item(self):
         if self.n_plain < 5 or self.n_prof_all < 1:
             return None, None
@@ -345,12 +359,7 @@ def _run_plain(st: _PoolState, fn, items) -> list:
     t = time.perf_counter()
     out = fn(items)
     dt = time.perf_counter() - t
-    st.w_items += n
-    st.w_time += dt
-    st.t_all += dt
-    st.n_plain += n
-    st.t_plain += dt
-    st.just_profiled = False
+    st.count(n, dt, profiled=False)
     per = dt / n
     if st.u_ema is None or per < st.u_ema / 4:
         st.u_ema = per  # the average held a warm-up (first imports, cold caches): start again from here
@@ -361,7 +370,9 @@ def _run_plain(st: _PoolState, fn, items) -> list:
 
 
 def _run_profiled(st: _PoolState, fn, items) -> list:
-    """One verification alone between a yappi start and stop (always after the unprofiled baseline)."""
+    """Verifications between a yappi start and stop: one alone when sampling (always after the unprofiled
+    baseline, what it adds is charged to the budget), a whole batch when every verification is profiled."""
+    n = len(items)
     t = time.perf_counter()
     yappi.start(builtins=st.builtins, profile_threads=False)
     try:
@@ -369,16 +380,11 @@ def _run_profiled(st: _PoolState, fn, items) -> list:
     finally:
         yappi.stop()
     dt = time.perf_counter() - t
-    st.w_items += 1
-    st.w_prof += 1
-    st.n_prof_all += 1
-    st.w_time += dt
-    st.t_all += dt
-    st.t_prof_all += dt
-    st.just_profiled = True
-    extra = max(0.0, dt - st.u_ema)
-    st.spent += extra
-    st.w_spent += extra
+    st.count(n, dt, profiled=True)
+    if st.u_ema is not None:
+        extra = max(0.0, dt - n * st.u_ema)
+        st.spent += extra
+        st.w_spent += extra
     return out
 
 
@@ -398,21 +404,8 @@ def _profiled_batch(fn, items, cfg):
         _start_session(st, cfg)
     if st.session is None:
         return (_MARK, fn(items), payload)
-    if st.budget is None:  # the whole worker: every verification, one start / stop per batch
-        n = len(items)
-        t = time.perf_counter()
-        yappi.start(builtins=st.builtins, profile_threads=False)
-        try:
-            out = fn(items)
-        finally:
-            yappi.stop()
-        dt = time.perf_counter() - t
-        st.w_items += n
-        st.w_prof += n
-        st.n_prof_all += n
-        st.w_time += dt
-        st.t_all += dt
-        st.t_prof_all += dt
+    if st.budget is None:  # every verification, one start / stop per batch
+        out = _run_profiled(st, fn, items)
     else:
         out = []
         i = 0
