@@ -7,7 +7,9 @@ Two scopes:
   unprofiled one, and profiles the next one only once that extra time (and the read of the stats it hands
   back once per window) is within half of a budget (default 2 %) of all its verification time, so the
   throughput cost holds to the budget. Which verification comes next is counted in verifications, across
-  batches, so that no kind of verification (e.g. the first of a batch) is favoured by the sample.
+  batches, so that no kind of verification (e.g. the first of a batch) is favoured by the sample; never two in
+  a row, so that the unprofiled time the cost is measured against stays current. A budget of 100 % profiles
+  every verification (exact counts).
   Figures are scaled to all verifications (x verifications / profiled), so ncall, tsub and ttot estimate
   the whole window; tavg is not scaled (it is measured under the profiler: inflated by its overhead).
 * "worker": the whole worker process (every thread: event loop, sink, control) with yappi running
