@@ -484,11 +484,17 @@ def job_throughput(job) -> float | None:
     return (job.completed_count + job.failed_count) / dt if dt > 0 else None
 
 
-def compare_jobs(a_job, b_job) -> dict:
+def job_figures(job) -> dict:
+    """sample_figures of all the job's profiled windows (every session): what a comparison takes."""
+    return sample_figures(list(ProfileSnapshot.objects.filter(job=job)))
+
+
+def compare_jobs(a_job, b_job, *, a: dict | None = None) -> dict:
     """Two jobs per function, each from all of its profiled windows (every session), the rows and the
-    verifications behind them from the same snapshots."""
-    a = sample_figures(list(ProfileSnapshot.objects.filter(job=a_job)))
-    b = sample_figures(list(ProfileSnapshot.objects.filter(job=b_job)))
+    verifications behind them from the same snapshots. `a`: a_job's job_figures when the caller has them
+    (the compare page sets one job against several)."""
+    a = a if a is not None else job_figures(a_job)
+    b = job_figures(b_job)
     sides = ((a_job, a), (b_job, b))
     unprofiled = [str(j.pk) for j, f in sides if not f["rows"]]
     thin = [f"job {j.pk}: {f['profiled']} of {f['verifications']}" for j, f in sides if f["few_samples"]]

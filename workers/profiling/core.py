@@ -260,9 +260,8 @@ class _PoolState:
         """How many verifications to run unprofiled before the next profiled one (0: the next one is profiled;
         None: none is affordable yet). Counted in verifications across batches, not once per batch: a batch's
         first item is often of a kind (a batch of one goes out when the pool is idle, e.g. the first repeat of
-        a task, which misses a verifier's cache), and profiling it would skew the scaled figures."""
-        if self.budget is None:
-            return 0
+        a task, which misses a verifier's cache), and profiling it would skew the scaled figures. Only asked
+        with a budget (without one, every verification is profiled)."""
         if self.budget <= 0:  # the pool's wrapper and windows only (the profiling bench's "plumbing" arm)
             return None
         if self.n_plain < 5:  # the unprofiled time per call first
@@ -281,9 +280,7 @@ class _PoolState:
         return self._plain_needed()
 
     def _plain_needed(self) -> int | None:
-        u, p = self.per_item()
-        if u is None:
-            return 0
+        u, p = self.per_item()  # both known: asked only after the baseline and a first profiled call
         expected = max(0.0, p - u)  # what the profiled call would add
         # the window's read of the stats is paid for before it happens, and the measured costs may use only
         # AIM of the budget: the budget is a ceiling, and what the gate cannot measure (pickling the rows back,
