@@ -126,7 +126,10 @@ class Worker:
         env = {**os.environ, "DATABASE_URL": db_url, "CELERY_TASK_DEFAULT_QUEUE": queue, "PYTHONUNBUFFERED": "1",
                "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
         # profile_dir: the worker runs under yappi (bench/yappi_worker.py), its profile written there on stop
-        runner = ["bench.yappi_worker", str(profile_dir), tag] if profile_dir else ["celery"]
+        # BENCH_SQL_TIMES=DIR: every SQL statement timed by shape (bench/sqltime_worker.py), written there on stop
+        sql_dir = os.environ.get("BENCH_SQL_TIMES")
+        runner = (["bench.yappi_worker", str(profile_dir), tag] if profile_dir else
+                  ["bench.sqltime_worker", sql_dir, tag] if sql_dir else ["celery"])
         args = [sys.executable, "-m", *runner, "-A", "controlplane", "worker", "-P", "threads", "-c", "1",
                 "-Q", queue, "-n", f"bench-{tag}-{queue}@%h", "--without-gossip", "--without-mingle",
                 "--without-heartbeat", "-l", "info"]
@@ -147,7 +150,7 @@ class Worker:
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(120 if self.profile_dir else 15)  # writing a profile takes a while
+                self.popen.wait(120 if self.profile_dir else 30)  # writing a profile takes a while
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(5)
@@ -468,7 +471,7 @@ def memory_mode(args, tmp: Path, sim_url: str, queue: str):
             proc = psutil.Process(worker.popen.pid)
 
             def sample():
-                procs = [proc] + proc.children(recursive=True)
+                procs = [proc] + proc.children(recursive=True)  # noqa: B023
                 main = total = 0
                 for p in procs:
                     try:
@@ -476,7 +479,7 @@ def memory_mode(args, tmp: Path, sim_url: str, queue: str):
                     except psutil.Error:
                         continue
                     total += rss
-                    if p.pid == proc.pid:
+                    if p.pid == proc.pid:  # noqa: B023
                         main = rss
                 return main, total, len(procs)
 

@@ -144,9 +144,9 @@ def scenario_hang(out):
         fired = []
 
         def on_result(n):
-            if n == 100 and not fired:
-                fired.append(1)
-                threading.Thread(target=http, args=("POST", b + "/admin/config", {"hang": True}), daemon=True).start()
+            if n == 100 and not fired:  # noqa: B023
+                fired.append(1)  # noqa: B023
+                threading.Thread(target=http, args=("POST", b + "/admin/config", {"hang": True}), daemon=True).start()  # noqa: B023
         try:
             s, wall, reps, _ = run(policy, [a, b], 200, 4, on_result=on_result, request_timeout_s=3.0,
                                    backoff_base_s=0.2, backoff_max_s=2.0)

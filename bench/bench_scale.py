@@ -209,7 +209,7 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
     os.environ["ENGINE_EVENT_LOOP"] = args.worker_loop  # the Worker processes inherit it
     sim, sim_url = start_simulator(args.latency_ms, max_num_seqs=max(1024, args.parallelism * 2))
     print(f"simulator {sim_url} ({args.latency_ms:.0f} ms), parallelism {args.parallelism} (bound "
-          f"{args.parallelism / (args.latency_ms / 1000):.0f} rollouts/s), verifier {args.verifier}, {os.cpu_count()} CPUs",
+          f"{(args.parallelism / (args.latency_ms / 1000)) if args.latency_ms else float('inf'):.0f} rollouts/s), verifier {args.verifier}, {os.cpu_count()} CPUs",
           flush=True)
     out = []
     try:
@@ -412,6 +412,7 @@ def main(argv=None) -> int:
                    "'workers': run each worker under yappi (all threads, CPU clock), profiles written into the "
                    "folder PATH (bench/yappi_worker.py)")
     p.add_argument("--db", default=DEFAULT_DB, help=f"bench database, created and dropped (default {DEFAULT_DB})")
+    p.add_argument("--keep-db", action="store_true", help="do not drop the bench database at the end")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
 
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         data.update(inflight_mode(args))
     if args.part in ("all", "workers"):
         queue = f"bench-scale-{uuid.uuid4().hex[:8]}"
-        with bench_database(args.db, queue), tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        with bench_database(args.db, queue, keep=args.keep_db), tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
             data.update(workers_mode(args, Path(tmp), queue))
     write_json(args.json, args, data)
     return 0

@@ -21,6 +21,9 @@ if (BASE_DIR / ".env").exists():
 INSECURE_DEFAULT_SECRET_KEY = "insecure-laptop-default-change-me-in-production"
 SECRET_KEY = env("DJANGO_SECRET_KEY", default=INSECURE_DEFAULT_SECRET_KEY)
 REQUIRE_STRONG_SECRET_KEY = False  # production settings: True
+# Secrets stored in the database (endpoint API keys) are encrypted with these Fernet keys (the first encrypts,
+# any decrypts: rotation); empty: one derived from SECRET_KEY (controlplane/fieldcrypt.py).
+FIELD_ENCRYPTION_KEYS = env.list("FIELD_ENCRYPTION_KEYS", default=[])
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
@@ -47,9 +50,18 @@ INSTALLED_APPS = [
     "controlplane.diagnostics",
     "controlplane.profiling",
     "controlplane.monitoring",
+    "controlplane.alerts",
+    "controlplane.exports",
 ]
 
+# manage.py collect_rollouts (the drop-in CLI) serves no page: without daphne (it only adds `runserver` over ASGI)
+# the command's start skips importing twisted (~0.1-0.6 s). manage.py sets this for that command only.
+if os.environ.get("CONTROLPLANE_LEAN_CLI") == "1":
+    INSTALLED_APPS.remove("daphne")
+
 MIDDLEWARE = [
+    # X-Forwarded-* only from WEB_TRUSTED_PROXY_ADDRS, before anything reads the client's address
+    "controlplane.forwarded.TrustedProxyMiddleware",
     # /healthz and /metrics for probes and Prometheus, before host checks and the HTTPS redirect
     "controlplane.monitoring.middleware.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -74,6 +86,9 @@ AXES_RESET_ON_SUCCESS = True
 # Proxies in front of the web server that append to X-Forwarded-For (0: the peer address is the client;
 # docker/compose.yml: 1, Caddy). A client-supplied X-Forwarded-For is never trusted beyond that.
 WEB_TRUSTED_PROXIES = env.int("WEB_TRUSTED_PROXIES", default=0)
+# ... and only when the request came from one of these addresses / networks (the proxy's; compose: Caddy's fixed
+# address): from any other peer the X-Forwarded-* headers are dropped (controlplane/forwarded.py).
+WEB_TRUSTED_PROXY_ADDRS = env.list("WEB_TRUSTED_PROXY_ADDRS", default=["127.0.0.1", "::1"])
 AXES_IPWARE_PROXY_COUNT = WEB_TRUSTED_PROXIES or None
 AXES_IPWARE_META_PRECEDENCE_ORDER = ["HTTP_X_FORWARDED_FOR", "REMOTE_ADDR"] if WEB_TRUSTED_PROXIES else ["REMOTE_ADDR"]
 
@@ -179,14 +194,53 @@ CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="celery")
 # next to that model server take them. Endpoint.worker_queue wins; else this map of endpoint name ->
 # queue (env: JOBS_ENDPOINT_QUEUES="llama-70b=gpu-a,qwen=gpu-b"); else CELERY_TASK_DEFAULT_QUEUE.
 JOBS_ENDPOINT_QUEUES = env.dict("JOBS_ENDPOINT_QUEUES", default={})
+# The queues a user may give an endpoint (its worker_queue); the default queue and JOBS_ENDPOINT_QUEUES' queues
+# are the operator's too. Names Celery/kombu keep for themselves (unacked, *.pidbox, _kombu...) never are
+# (controlplane.operator refuses them here at startup, at every way in, and again at dispatch).
+JOBS_WORKER_QUEUES = env.list("JOBS_WORKER_QUEUES", default=[])
+# The control lane (controlplane/lanes.py): admin actions, weight updates, health, pre-warm, the watchdog and every
+# beat task, finalization go to this queue, served by a worker of its own that never holds a chunk ("": off,
+# every task on the default queue). Reserved: no endpoint may route chunks to it.
+CELERY_CONTROL_QUEUE = env("CELERY_CONTROL_QUEUE", default="control")
+CELERY_TASK_ROUTES = ("controlplane.lanes.route_task",)
 CELERY_BEAT_SCHEDULE = {
     # Re-dispatch chunks whose worker died (stale lease), flag stalled jobs, finalize stragglers.
     "jobs-watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": env.float("JOBS_WATCHDOG_INTERVAL_S", default=10.0)},
 }
 
+# --- Tracing (workers/tracing.py) -----------------------------------------------------------------
+# OpenTelemetry spans job -> chunk -> rollout -> request, exported over OTLP/HTTP to this traces URL (e.g.
+# http://otel-collector:4318/v1/traces); off when empty. TRACING_MODE "spans" makes the spans without exporting
+# them (to measure the cost). OTEL_EXPORTER_OTLP_HEADERS (the SDK's own variable) adds headers to each export.
+TRACING_OTLP_ENDPOINT = env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", default="")
+TRACING_MODE = env("TRACING_MODE", default="otlp" if TRACING_OTLP_ENDPOINT else "off")
+TRACING_SERVICE_NAME = env("OTEL_SERVICE_NAME", default="rollout-control-plane")
+# The share of rollouts traced (chosen by trace id): the OTLP encoding costs ~0.1 ms of worker CPU per span, which
+# matters only when a worker's CPU is the limit (bench/bench_tracing.py).
+TRACING_SAMPLE_RATIO = env.float("TRACING_SAMPLE_RATIO", default=1.0)
+
+# --- MLflow export (controlplane/exports/mlflow_export.py) --------------------------------------------
+# The tracking servers a job may export its run to, name=URI pairs ("local=sqlite:////srv/mlflow.db,team=https://
+# mlflow.example.com"): a job names one (job form, API, CLI); a URI of its own is refused.
+MLFLOW_TRACKING_URIS = env.dict("MLFLOW_TRACKING_URIS", default={})
+MLFLOW_EXPERIMENT_NAME = env("MLFLOW_EXPERIMENT_NAME", default="rollout-collection")
+# name=location of a new experiment's artifacts per server (default: beside a SQLite store; a server's own choice)
+MLFLOW_ARTIFACT_LOCATIONS = env.dict("MLFLOW_ARTIFACT_LOCATIONS", default={})
+MLFLOW_TABLE_ROWS = env.int("MLFLOW_TABLE_ROWS", default=100)  # rollouts in the run's sampled table
+
 # --- Jobs runtime -----------------------------------------------------------------------------
 # A chunk whose worker has not heartbeated for this long is handed out again (SIGKILLed worker).
 JOBS_LEASE_TIMEOUT_S = env.float("JOBS_LEASE_TIMEOUT_S", default=30.0)
+# Threads per worker process, beside its Celery slots, that take only chunks a dead or stopping worker left
+# (controlplane/jobs/resume.py): such a chunk goes on within the lease timeout plus one watchdog interval, even
+# while every slot holds a chunk.
+JOBS_RESUME_SLOTS = env.int("JOBS_RESUME_SLOTS", default=1)
+# Fair capacity (controlplane/jobs/capacity.py): a chunk run stops at this total deadline (handed back, or the job
+# failed when it stored nothing); a run checks its owner's share of the workers this often; a chunk over its
+# owner's share goes back to the queue with this countdown.
+JOBS_CHUNK_DEADLINE_S = env.float("JOBS_CHUNK_DEADLINE_S", default=3600.0)
+JOBS_FAIR_SHARE_CHECK_S = env.float("JOBS_FAIR_SHARE_CHECK_S", default=5.0)
+JOBS_FAIR_SHARE_RETRY_S = env.float("JOBS_FAIR_SHARE_RETRY_S", default=5.0)
 # A running job with no new rollout for this long is flagged stalled (the flag clears on progress).
 JOBS_STALL_AFTER_S = env.float("JOBS_STALL_AFTER_S", default=300.0)
 # ... and never before one request could have timed out: the threshold of a job is
@@ -204,6 +258,20 @@ VERIFY_CACHE_TTL_S = env.int("VERIFY_CACHE_TTL_S", default=7 * 24 * 3600)
 # A worker computing a verification holds a claim this long; the others wait for it at most that long
 # (a dead worker's claim expires; a slower verification is then computed twice, never wrong).
 VERIFY_CACHE_CLAIM_S = env.float("VERIFY_CACHE_CLAIM_S", default=60.0)
+# --- Verifiers: the operator's knobs. Read from the environment by workers/verifiers too (no Django there).
+# Modules imported at start (they register verifiers by name); users may name those verifiers.
+VERIFIER_PLUGINS = env.list("VERIFIER_PLUGINS", default=[])
+# Modules into which users may name verifiers by dotted path ("mod:func"); any other dotted path is the
+# operator's alone (manage.py commands): importing a module runs it, in the web process.
+VERIFIER_PATH_MODULES = env.list("VERIFIER_PATH_MODULES", default=[])
+# Maxima of verifiers' numeric options over their built-in ones ("code.wall_s=120,judge.concurrency=128"): a job
+# asking for more is refused, and options are clamped again where they are used.
+VERIFIER_OPTION_MAX = env("VERIFIER_OPTION_MAX", default="")
+# The code verifier's sandbox: bubblewrap namespaces, or no code verification at all; "rlimits" is the
+# operator's explicit opt-in to the weaker fallback (pages and results say so). Each writable place in the
+# sandbox (work directory, /tmp, /dev/shm) is a tmpfs of VERIFIER_SANDBOX_TMPFS_MB.
+VERIFIER_SANDBOX = env("VERIFIER_SANDBOX", default="")
+VERIFIER_SANDBOX_TMPFS_MB = env.int("VERIFIER_SANDBOX_TMPFS_MB", default=16)
 # Rollouts are written in batches of this many rows, or every JOBS_FLUSH_INTERVAL_S.
 # A chunk run retries its database work (rollout batches, heartbeats, reads) this long while the database
 # is unreachable (a restart, a failover), with exponential backoff, before it gives up.
@@ -215,23 +283,51 @@ JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
 # The dashboard warns when an admin operation (pause, weight update...) waited longer than this on the
 # client side (queue_ms = wall_ms - rpc_ms).
 ADMIN_QUEUE_ALERT_MS = env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0)
+# Total deadlines of the endpoint tasks (Celery's time limits are not enforced under -P threads): a health check
+# or pre-warm, and an admin action (its replicas are still told to resume when it is cut).
+ENDPOINT_TASK_DEADLINE_S = env.float("ENDPOINT_TASK_DEADLINE_S", default=120.0)
+ADMIN_ACTION_DEADLINE_S = env.float("ADMIN_ACTION_DEADLINE_S", default=1800.0)
 # Redis back without its data: queued admin actions younger than this are sent again, older ones failed
 ADMIN_ACTION_RESEND_MAX_AGE_S = env.float("ADMIN_ACTION_RESEND_MAX_AGE_S", default=300.0)
 
 # --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
-# Model-server hosts users may register: "*" (anything) on a laptop, a list in production
-# ("vllm", ".gpu.internal" for a domain and its subdomains). Link-local and cloud-metadata addresses
-# are always refused; redirects are never followed.
+# Where the workers and the web process may call out (workers.outbound, built in controlplane/outbound.py): model
+# servers, replicas, NeMo Gym servers, judges, remote verifiers, /stats. "*" (anything) on a laptop, a list in
+# production: "vllm:8000", "vllm" (any port), ".gpu.internal" (a domain and its subdomains), "gym:11000-11100",
+# "10.0.0.0/8:8000" (what a name resolves to). Link-local and cloud-metadata addresses are always refused;
+# redirects are never followed; each call has a byte cap and a total deadline (defaults below).
 ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["*"])
+OUTBOUND_MAX_BYTES = env.int("OUTBOUND_MAX_BYTES", default=16 * 1024 * 1024)
+OUTBOUND_TIMEOUT_S = env.float("OUTBOUND_TIMEOUT_S", default=60.0)
+# Webhooks (controlplane.alerts): any public address; private / loopback ones only when named here (host,
+# host:port or network). Each delivery: WEBHOOK_TIMEOUT_S in all, an answer read up to WEBHOOK_MAX_BYTES,
+# WEBHOOK_MAX_ATTEMPTS tries (backoff WEBHOOK_RETRY_BASE_S x 4^n), from the control lane.
+WEBHOOK_ALLOWED_HOSTS = env.list("WEBHOOK_ALLOWED_HOSTS", default=[])
+WEBHOOK_TIMEOUT_S = env.float("WEBHOOK_TIMEOUT_S", default=5.0)
+WEBHOOK_MAX_BYTES = env.int("WEBHOOK_MAX_BYTES", default=64 * 1024)
+WEBHOOK_MAX_ATTEMPTS = env.int("WEBHOOK_MAX_ATTEMPTS", default=3)
+WEBHOOK_RETRY_BASE_S = env.float("WEBHOOK_RETRY_BASE_S", default=2.0)
+# Environment variables of the workers a judge may take its API key from (verifier option api_key_env). Users
+# never name one otherwise: a judge's key comes from an endpoint they own (option endpoint).
+JUDGE_API_KEY_ENVS = env.list("JUDGE_API_KEY_ENVS", default=[])
+# NeMo Gym profile logs (stats_urls[].log) are read only under this directory (its profiling_results_dirpath,
+# shared with the workers); unset: none is read.
+PROFILING_STATS_LOG_DIR = env("PROFILING_STATS_LOG_DIR", default="")
 ENDPOINT_MAX_REQUEST_TIMEOUT_S = env.float("ENDPOINT_MAX_REQUEST_TIMEOUT_S", default=3600.0)
 ENDPOINT_MAX_CONNECT_TIMEOUT_S = env.float("ENDPOINT_MAX_CONNECT_TIMEOUT_S", default=300.0)
 ENDPOINT_MAX_RETRIES = env.int("ENDPOINT_MAX_RETRIES", default=20)
 JOBS_MAX_PARALLELISM = env.int("JOBS_MAX_PARALLELISM", default=4096)
 JOBS_MAX_NUM_REPEATS = env.int("JOBS_MAX_NUM_REPEATS", default=10000)
 JOBS_MAX_CHUNK_SIZE = env.int("JOBS_MAX_CHUNK_SIZE", default=1_000_000)
-# Per user, over queued and running jobs.
+# Per user, over queued and running jobs and parallelism sweeps (a sweep counts its peak parallelism).
 JOBS_MAX_ACTIVE_PER_USER = env.int("JOBS_MAX_ACTIVE_PER_USER", default=20)
 JOBS_MAX_PARALLELISM_PER_USER = env.int("JOBS_MAX_PARALLELISM_PER_USER", default=8192)
+# A parallelism sweep (diagnostics) is stopped at this total deadline and marked failed with the reason.
+DIAGNOSTICS_SWEEP_DEADLINE_S = env.float("DIAGNOSTICS_SWEEP_DEADLINE_S", default=1800.0)
+# Dataset rows shown (API rows, previews): a row longer than DATASET_ROW_MAX_CHARS (its JSON) comes as an excerpt,
+# and a page of rows stops before DATASET_ROWS_MAX_CHARS.
+DATASET_ROW_MAX_CHARS = env.int("DATASET_ROW_MAX_CHARS", default=1_000_000)
+DATASET_ROWS_MAX_CHARS = env.int("DATASET_ROWS_MAX_CHARS", default=8_000_000)
 # A model response larger than this is a failed attempt (bad_response), never read whole.
 ENGINE_MAX_RESPONSE_BYTES = env.int("ENGINE_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
 # Several replicas (workers.engine.replicas): each run probes its replicas (GET /health; /v1/models for hosted
@@ -273,11 +369,11 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "controlplane.api.authentication.ExpiringTokenAuthentication",
+        "controlplane.rest.authentication.ExpiringTokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     # JSON with a bound on nesting (a 400, not a RecursionError).
-    "DEFAULT_PARSER_CLASSES": ["controlplane.api.parsers.JSONParser", "rest_framework.parsers.FormParser",
+    "DEFAULT_PARSER_CLASSES": ["controlplane.rest.parsers.JSONParser", "rest_framework.parsers.FormParser",
                                "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
@@ -323,5 +419,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"},
+                "axes.apps": {"level": "WARNING"}},  # its "AXES: BEGIN version ..." on every manage.py call
 }

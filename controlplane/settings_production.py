@@ -45,5 +45,6 @@ REST_FRAMEWORK = {**REST_FRAMEWORK, "NUM_PROXIES": WEB_TRUSTED_PROXIES}
 AXES_IPWARE_PROXY_COUNT = WEB_TRUSTED_PROXIES or None
 AXES_IPWARE_META_PRECEDENCE_ORDER = ["HTTP_X_FORWARDED_FOR", "REMOTE_ADDR"] if WEB_TRUSTED_PROXIES else ["REMOTE_ADDR"]
 
-# Model servers users may register: the compose service by default; a list of hosts or ".domain"s.
-ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["vllm"])
+# Where calls may go (model servers, judges, NeMo Gym servers, /stats): the compose vLLM service by default;
+# a list of host:port pairs, hosts, ".domain"s or networks (see settings.py).
+ENDPOINT_ALLOWED_HOSTS = env.list("ENDPOINT_ALLOWED_HOSTS", default=["vllm:8000"])

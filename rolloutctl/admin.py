@@ -6,9 +6,10 @@
     rolloutctl admin-stats ENDPOINT_ID            p50/p95/p99 of queue/rpc/wall per operation kind
     rolloutctl weight-versions JOB_ID             rollouts per weight version and their lag
 
-Operations run in a worker: the API answers 202 with the action's URL, which is polled (every
---poll-interval seconds, for at most --wait seconds) until the action has finished; its report, with its
-trace id, is printed as JSON. An operation that failed on a replica exits 5; one still unfinished after
+Operations run in a worker: the POST asks the API to answer when the action ends (`?wait=`, up to 60 s at a
+time); an action still unfinished then is polled (every --poll-interval seconds, for at most --wait seconds)
+until it has finished; its report, with its trace id (--trace-id: yours, sent on to the model servers), is
+printed as JSON. An operation that failed on a replica exits 5; one still unfinished after
 --wait exits 4 (it keeps running; `rolloutctl` prints its URL).
 """
 from __future__ import annotations
@@ -54,6 +55,8 @@ def add_parsers(sub, add_connection) -> None:
 def _add_wait(p) -> None:
     p.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the action to finish (default 900)")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
+    p.add_argument("--trace-id", default=None, help="your trace id (8-64 hex digits or dashes): kept on the action, "
+                                                    "sent to the model servers in X-Trace-Id and logged")
 
 
 FINISHED = ("succeeded", "failed")
@@ -81,6 +84,24 @@ def _finish(client, args, action: dict) -> int:
     return EXIT_OK if action["state"] == "succeeded" else EXIT_API
 
 
+SERVER_WAIT_MAX_S = 60.0
+
+
+def _post_action(client, args, path: str, body: dict) -> dict:
+    """POST the action and let the API hold the answer until it ends (?wait=), at most --wait seconds."""
+    wait = max(0.0, min(float(args.wait), SERVER_WAIT_MAX_S))
+    headers = {"X-Trace-Id": args.trace_id} if getattr(args, "trace_id", None) else {}
+    query = f"?wait={wait:g}" if wait > 0 else ""
+    old_timeout = client.timeout
+    connect_s, read_s = old_timeout if isinstance(old_timeout, tuple) else (old_timeout, old_timeout)
+    client.timeout = (connect_s, max(float(read_s or 0), wait + 30.0))  # the server holds the answer this long
+    try:
+        resp = client.request("POST", f"{path}{query}", json=body, retry=False, expect=(200, 202), headers=headers)
+    finally:
+        client.timeout = old_timeout
+    return resp.json()
+
+
 def _print(obj) -> None:
     print(json.dumps(obj, indent=1), flush=True)
 
@@ -88,9 +109,8 @@ def _print(obj) -> None:
 def run(client, args) -> int:
     if args.command == "endpoint-op":
         body = {k: v for k, v in (("mode", args.mode), ("level", args.level), ("count", args.count)) if v is not None}
-        resp = client.request("POST", f"endpoints/{args.endpoint}/admin/{args.operation}/", json=body, retry=False,
-                              expect=(202,))
-        return _finish(client, args, resp.json())
+        return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/admin/{args.operation}/",
+                                                  body))
     if args.command == "update-weights":
         if not args.path and not args.checkpoint_id:
             print("rolloutctl: update-weights needs --path or --checkpoint-id", file=sys.stderr)
@@ -99,8 +119,7 @@ def run(client, args) -> int:
                 **({"checkpoint_id": args.checkpoint_id} if args.checkpoint_id else {})}
         if args.weight_version is not None:
             body["version"] = args.weight_version
-        resp = client.request("POST", f"endpoints/{args.endpoint}/weights/", json=body, retry=False, expect=(202,))
-        return _finish(client, args, resp.json())
+        return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/weights/", body))
     if args.command == "admin-stats":
         _print(client.get_json(f"endpoints/{args.endpoint}/admin/stats/"))
         return EXIT_OK

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin, auth
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin, auth, observe
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -160,10 +160,24 @@ def do_submit(client: Client, args) -> dict:
         body["limit"] = args.limit
     if args.chunk_size is not None:
         body["chunk_size"] = args.chunk_size
+    if args.mlflow:
+        body["mlflow_tracking_uri"] = args.mlflow
     job, created = client.create_job(body, idempotency_key=args.idempotency_key)
     log(f"{'submitted' if created else 'already submitted (same Idempotency-Key)'}: job {job['id']}, "
         f"{job['progress']['total']} rollouts")
     return job
+
+
+def _rate_words(job: dict) -> str:
+    """", 41.3 rollouts/s over 2:15 running" from the job's figures (the dashboard's avg it/s and elapsed)."""
+    f = job.get("figures") or {}
+    rate, running = f.get("average_rollouts_per_s"), f.get("running_s")
+    if rate is None or running is None:
+        return ""
+    m, sec = divmod(int(round(running)), 60)
+    tokens, out = f.get("average_tokens_per_s"), f.get("average_output_tokens_per_s")
+    tok = f", {tokens:.1f} tokens/s ({out:.1f} output)" if tokens is not None and out is not None else ""
+    return f", {rate:.1f} rollouts/s{tok} over {m}:{sec:02d} running (pauses excluded)"
 
 
 def do_wait(client: Client, job_id: int, *, timeout_s: float | None, poll_s: float, progress: bool = True) -> tuple[dict, int]:
@@ -199,9 +213,9 @@ def do_wait(client: Client, job_id: int, *, timeout_s: float | None, poll_s: flo
     if job["state"] == "completed" and job.get("verify_mode") == "fast":
         return _wait_exact_pass(client, job, deadline, poll_s)
     if job["state"] == "completed":
-        log(f"job {job_id} completed: {p['completed']} ok, {p['failed']} failed")
+        log(f"job {job_id} completed: {p['completed']} ok, {p['failed']} failed{_rate_words(job)}")
         return job, EXIT_OK
-    log(f"job {job_id} {job['state']}: {p['completed']} ok, {p['failed']} failed"
+    log(f"job {job_id} {job['state']}: {p['completed']} ok, {p['failed']} failed{_rate_words(job)}"
         + (f" — {job['error_message']}" if job.get("error_message") else ""))
     return job, EXIT_JOB
 
@@ -311,11 +325,74 @@ def failed_rows_gate(job: dict, max_failed_fraction: float) -> list[str]:
             "ignores them)"]
 
 
-def do_gate(job: dict, gates: list[dict], max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION) -> int:
+THROUGHPUT_FIGURES = {  # --throughput-figure: the job figure (controlplane.jobs.figures) compared, and its unit
+    "rollouts": ("average_rollouts_per_s", "rollouts/s"),
+    "tokens": ("average_tokens_per_s", "tokens/s"),
+    "output_tokens": ("average_output_tokens_per_s", "output tokens/s"),
+}
+
+
+def parse_ratio(text: str) -> tuple[str, float]:
+    """`--min-metric-ratio mean/reward=0.95` -> ("mean/reward", 0.95)."""
+    name, sep, raw = text.rpartition("=")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = math.nan
+    if not sep or not name or not math.isfinite(ratio) or ratio <= 0:
+        raise argparse.ArgumentTypeError(f"expected METRIC=RATIO with a ratio > 0 (e.g. mean/reward=0.95), got {text!r}")
+    return name, ratio
+
+
+def _metric_of(job: dict, name: str):
+    """A metric by its name, or `reward` for mean/reward (any aggregate name without its mean/ prefix)."""
+    value = lookup_metric(job, name)
+    return lookup_metric(job, f"mean/{name}") if value is None and "/" not in name else value
+
+
+def baseline_gate(job: dict, base: dict, *, min_throughput_ratio: float | None = None,
+                  throughput_figure: str = "rollouts", metric_ratios: list[tuple[str, float]] = ()) -> tuple[list[str], list[str]]:
+    """Compare `job` with a baseline job: (failures, passes), one line each. Throughput: the job's average rate
+    over its running time (pauses excluded) against the baseline's; a metric: its value against the baseline's
+    (higher is better)."""
+    failures, passes = [], []
+    checks = []
+    if min_throughput_ratio is not None:
+        key, unit = THROUGHPUT_FIGURES[throughput_figure]
+        checks.append((f"throughput ({unit})", (job.get("figures") or {}).get(key),
+                       (base.get("figures") or {}).get(key), min_throughput_ratio))
+    for name, ratio in metric_ratios:
+        checks.append((name, _metric_of(job, name), _metric_of(base, name), ratio))
+    for label, value, ref, ratio in checks:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (value, ref)):
+            failures.append(f"gate failed: {label} is not available for job {job['id']} ({value}) or baseline job "
+                            f"{base['id']} ({ref})")
+            continue
+        if ref <= 0:
+            passes.append(f"gate passed: {label} = {value:.4g}; baseline job {base['id']} has {ref:.4g}, nothing to fall below")
+            continue
+        v, r = _fmt_pair(value, ref)
+        words = f"{label} = {v} is {value / ref:.3f} x baseline job {base['id']}'s {r}"
+        if value < ratio * ref:
+            failures.append(f"gate failed: {words} < min ratio {ratio:g}")
+        else:
+            passes.append(f"gate passed: {words} >= min ratio {ratio:g}")
+    return failures, passes
+
+
+def do_gate(job: dict, gates: list[dict], max_failed_fraction: float = DEFAULT_MAX_FAILED_FRACTION,
+            baseline: dict | None = None, failed_lines: list | None = None, **ratios) -> int:
+    """The metric gates, the failed-rows gate and, with a baseline job, the ratio gates (baseline_gate).
+    `failed_lines`: a list the failure lines are added to."""
     if job["state"] != "completed":
         log(f"gate failed: job {job['id']} is {job['state']}, not completed")
         return EXIT_GATE
     failures = evaluate_gates(job, gates)
+    if baseline is not None:
+        failed, passed = baseline_gate(job, baseline, **ratios)
+        failures += failed
+        for line in passed:
+            log(line)
     if not any(g["metric"] == "failed_fraction" for g in gates):  # an explicit failed_fraction gate decides alone
         failures += failed_rows_gate(job, max_failed_fraction)
     for gate in gates:
@@ -323,6 +400,8 @@ def do_gate(job: dict, gates: list[dict], max_failed_fraction: float = DEFAULT_M
             log(_gate_ok_line(job, gate))
     for msg in failures:
         log(msg)
+    if failed_lines is not None:
+        failed_lines.extend(failures)
     return EXIT_GATE if failures else EXIT_OK
 
 
@@ -363,6 +442,8 @@ def _add_submit(p):
     g.add_argument("--verifier-option", action="append", metavar="KEY=JSON")
     g.add_argument("--verify-mode", default="inline", choices=["inline", "fast", "deferred"])
     g.add_argument("--verify-cache", default="job", choices=["off", "job", "global"])
+    g.add_argument("--mlflow", metavar="NAME", default="",
+                   help="export the job as an MLflow run to this tracking server of the deployment (its name or URI)")
     g.add_argument("--chunk-size", type=int)
     g.add_argument("--profiling", action="store_true")
     g.add_argument("--idempotency-key", default=os.environ.get("ROLLOUTCTL_IDEMPOTENCY_KEY"),
@@ -376,14 +457,24 @@ def _add_wait(p):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_gates(p, required=False):
-    p.add_argument("--metric", "--gate", action=GateAction, dest="gates", metavar="NAME", required=required,
+def _add_gates(p):
+    p.add_argument("--metric", "--gate", action=GateAction, dest="gates", metavar="NAME",
                    help="metric to gate on, e.g. mean/reward (repeatable; each followed by --min and/or --max)")
     p.add_argument("--min", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is below")
     p.add_argument("--max", action=GateAction, dest="gates", type=float, metavar="VALUE", help="fail when the metric is above")
     p.add_argument("--max-failed-fraction", type=float, default=DEFAULT_MAX_FAILED_FRACTION, metavar="F",
                    help="the gates also fail when more than this fraction of rows failed (failed rows are not in "
                         f"mean/reward and the other aggregates; default {DEFAULT_MAX_FAILED_FRACTION}, 1 turns it off)")
+    g = p.add_argument_group("regression against a baseline job (exit 1 on a regression)")
+    g.add_argument("--baseline-job", type=int, metavar="N", help="compare with this earlier job")
+    g.add_argument("--min-throughput-ratio", type=float, metavar="R",
+                   help="fail when the job's throughput (over its running time, pauses excluded) is below R x the "
+                        "baseline's, e.g. 0.9")
+    g.add_argument("--throughput-figure", choices=sorted(THROUGHPUT_FIGURES), default="rollouts",
+                   help="the throughput compared: rollouts/s (default), tokens/s (input + output) or output tokens/s")
+    g.add_argument("--min-metric-ratio", type=parse_ratio, action="append", default=[], metavar="METRIC=R",
+                   help="fail when the metric is below R x the baseline's, e.g. mean/reward=0.95 (reward means "
+                        "mean/reward; repeatable)")
 
 
 def do_profile(client, args) -> int:
@@ -421,6 +512,12 @@ def do_profile(client, args) -> int:
         print(f"{name[-70:]:<70} {r['ncall']:>9} {r['tsub']:>10.6f} {r['ttot']:>10.6f} {r['tavg']:>10.6f}")
     for f in prof["red_flags"]:
         print(f"[{f['kind']}] {f['label']}: {f['figure']}\n    -> {f['advice']}")
+    for srv in prof.get("servers") or []:  # NeMo Gym servers' own profiles (collect_rollouts +profiling_enabled)
+        print(f"\nNeMo Gym server {srv['name']} ({srv['functions']} functions, {srv['total_s']:.6f} s):")
+        print(f"{'name':<70} {'ncall':>9} {'tsub':>10} {'ttot':>10} {'tavg':>10}")
+        for r in srv["rows"][:args.top]:
+            name = f"{r['module']}:{r['line']} {r['name']}"
+            print(f"{name[-70:]:<70} {r['ncall']:>9} {r['tsub']:>10.6f} {r['ttot']:>10.6f} {r['tavg']:>10.6f}")
     return EXIT_OK
 
 
@@ -444,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="exit non-zero when a job's metric is outside its bounds")
     _add_connection(p)
     p.add_argument("job", type=int)
-    _add_gates(p, required=True)
+    _add_gates(p)
 
     p = sub.add_parser("export", help="write a job's rollouts (NeMo Gym JSONL) to a file, streamed")
     _add_connection(p)
@@ -466,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("job", type=int)
     p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--scope", choices=["verify", "worker"], default="verify")
+    p.add_argument("--scope", choices=["verify", "worker"], default="verify",
+                   help="verify: the job's verifier calls; worker: the whole worker process (staff only)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     p.add_argument("--budget-pct", type=float, default=2.0,
                    help="verify scope: throughput cost aimed at, in %% (default 2); 100 profiles every verification "
@@ -486,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "when the name has no extension)")
     admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
     auth.add_parsers(sub, _add_connection)  # login, logout
+    observe.add_parsers(sub, _add_connection)  # diagnose, sweep
     return parser
 
 
@@ -493,6 +592,40 @@ def _check_gates(parser, args):
     for gate in getattr(args, "gates", None) or []:
         if gate["min"] is None and gate["max"] is None:
             parser.error(f"--metric {gate['metric']} needs --min and/or --max")
+    if not hasattr(args, "baseline_job"):
+        return
+    ratios = args.min_throughput_ratio is not None or args.min_metric_ratio
+    if ratios and args.baseline_job is None:
+        parser.error("--min-throughput-ratio / --min-metric-ratio need --baseline-job N")
+    if args.baseline_job is not None and not ratios:
+        parser.error("--baseline-job needs --min-throughput-ratio and/or --min-metric-ratio")
+    if args.command == "gate" and not args.gates and args.baseline_job is None:
+        parser.error("give --metric NAME with --min/--max, or --baseline-job N with a ratio")
+
+
+def _wants_gate(args) -> bool:
+    return bool(args.gates) or args.baseline_job is not None
+
+
+def _gate(client: Client, job: dict, args) -> int:
+    """do_gate with the command's options (the baseline job read from the API when one is named)."""
+    baseline = None
+    if args.baseline_job is not None:
+        baseline = client.job(args.baseline_job)
+        if baseline["state"] != "completed":
+            log(f"gate failed: baseline job {baseline['id']} is {baseline['state']}, not completed")
+            return EXIT_GATE
+    failed: list[str] = []
+    code = do_gate(job, args.gates or [], args.max_failed_fraction, baseline, failed_lines=failed,
+                   min_throughput_ratio=args.min_throughput_ratio, throughput_figure=args.throughput_figure,
+                   metric_ratios=args.min_metric_ratio)
+    if failed:  # the job's webhooks hear of it (alerts); a server without them, or an error, changes nothing
+        try:
+            client.request("POST", f"jobs/{job['id']}/gate-failed/", json={"reason": "; ".join(failed)[:2000]},
+                           retry=False, expect=(202,))
+        except ApiError as exc:
+            log(f"rolloutctl: could not report the gate failure to the server: {exc}")
+    return code
 
 
 def main(argv=None) -> int:
@@ -511,6 +644,8 @@ def main(argv=None) -> int:
             return admin.run(client, args)
         if args.command in auth.COMMANDS:
             return auth.run(client, args)
+        if args.command in observe.COMMANDS:
+            return observe.run(client, args)
         if args.command == "submit":
             job = do_submit(client, args)
             print(job["id"], flush=True)
@@ -520,7 +655,7 @@ def main(argv=None) -> int:
                               progress=not args.no_progress)
             return code
         if args.command == "gate":
-            return do_gate(client.job(args.job), args.gates, args.max_failed_fraction)
+            return _gate(client, client.job(args.job), args)
         if args.command == "export":
             do_export(client, args.job, args.output, args.which)
             return EXIT_OK
@@ -528,7 +663,7 @@ def main(argv=None) -> int:
             job, code = do_verify(client, args)
             if code != EXIT_OK or args.no_wait:
                 return code
-            return do_gate(job, args.gates) if args.gates else EXIT_OK
+            return _gate(client, job, args) if _wants_gate(args) else EXIT_OK
         if args.command == "profile":
             return do_profile(client, args)
         if args.command == "run":
@@ -540,7 +675,7 @@ def main(argv=None) -> int:
                 do_run_exports(client, job, args.output)  # what was collected, even when the job failed
             if code != EXIT_OK:
                 return code
-            return do_gate(job, args.gates, args.max_failed_fraction) if args.gates else EXIT_OK
+            return _gate(client, job, args) if _wants_gate(args) else EXIT_OK
     except ApiError as exc:
         log(f"rolloutctl: API error: {exc}")
         return EXIT_API

@@ -9,6 +9,7 @@ import random
 import time
 import uuid
 from typing import Any, Iterator
+from urllib.parse import parse_qs, urlsplit
 
 import requests
 
@@ -33,11 +34,30 @@ def _body_of(resp: requests.Response) -> Any:
         return resp.text[:2000]
 
 
+def _words(value: Any) -> str:
+    if isinstance(value, list):
+        return "; ".join(_words(v) for v in value)
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {_words(v)}" for k, v in value.items())
+    return str(value)
+
+
 def _describe(body: Any) -> str:
-    if isinstance(body, (dict, list)):
-        text = json.dumps(body, ensure_ascii=False)
+    """An API error body in words: {"detail": "..."} -> its text, {"field": ["msg"]} -> "field: msg" (no JSON,
+    no error codes); an HTML or other text page -> its first line."""
+    if isinstance(body, dict):
+        fields = {k: v for k, v in body.items() if k not in ("code", "status")}
+        detail = fields.pop("detail", None)
+        text = "; ".join(x for x in (_words(detail) if detail is not None else "", _words(fields) if fields else "") if x)
+        text = text or json.dumps(body, ensure_ascii=False)
+    elif isinstance(body, list):
+        text = _words(body)
     else:
-        text = str(body)
+        import re
+
+        title = re.search(r"<title>(.*?)</title>", str(body), re.I | re.S)  # an HTML error page: its title
+        lines = [ln.strip() for ln in str(body).splitlines() if ln.strip()]
+        text = title.group(1).strip() if title else (lines[0] if lines else "")
     return text if len(text) <= 2000 else text[:2000] + "…"
 
 
@@ -109,14 +129,28 @@ class Client:
     def get_json(self, path: str, **kw) -> Any:
         return self.request("GET", path, **kw).json()
 
+    def iter_list(self, path: str, params: dict | None = None, max_pages: int = 100):
+        """The items of a paginated list ({"next", "results"}), page after page (by its cursor, on this client's
+        own base URL)."""
+        params = dict(params or {})
+        for _ in range(max_pages):
+            page = self.get_json(path, params=params)
+            if isinstance(page, list):  # a server from before lists were paginated
+                yield from page
+                return
+            yield from page.get("results") or []
+            cursor = parse_qs(urlsplit(page.get("next") or "").query).get("cursor")
+            if not cursor:
+                return
+            params["cursor"] = cursor[0]
+
     def post_json(self, path: str, body: dict | None = None, *, retry: bool = False, headers=None) -> tuple[int, Any]:
         resp = self.request("POST", path, json=body or {}, retry=retry, headers=headers)
         return resp.status_code, (resp.json() if resp.content else None)
 
     # -- resources ----------------------------------------------------------------------------
     def find_dataset(self, sha256: str) -> dict | None:
-        found = self.get_json("datasets/", params={"sha256": sha256, "status": "ready"})
-        return found[0] if found else None
+        return next(iter(self.iter_list("datasets/", {"sha256": sha256, "status": "ready"}, max_pages=1)), None)
 
     def upload_dataset(self, path: str, *, name: str | None = None, accept_partial: bool = False) -> dict:
         """Stream the file as a raw JSONL body (never read whole into memory)."""
@@ -133,7 +167,7 @@ class Client:
     def find_or_create_endpoint(self, *, base_url: str, model: str, api_flavor: str | None = None,
                                 api_key: str | None = None, name: str | None = None) -> tuple[dict, bool]:
         wanted = base_url.rstrip("/")
-        for ep in self.get_json("endpoints/"):
+        for ep in self.iter_list("endpoints/"):
             if endpoint_matches(ep, wanted, model, api_flavor, api_key):
                 return ep, False
         body = {"name": name or f"{model} @ {wanted}"[:200], "base_url": wanted, "model_name": model}

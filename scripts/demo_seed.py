@@ -21,7 +21,7 @@ from tqdm import tqdm  # noqa: E402
 from controlplane.datasets.models import Dataset  # noqa: E402
 from controlplane.datasets.services import ingest_jsonl  # noqa: E402
 from controlplane.endpoints.models import Endpoint  # noqa: E402
-from controlplane.jobs.models import TERMINAL_STATES, CollectionJob  # noqa: E402
+from controlplane.jobs.models import TERMINAL_STATES  # noqa: E402
 from controlplane.jobs.services import create_job  # noqa: E402
 
 DATASET_PATH = ROOT / "data" / "demo_math.jsonl"

@@ -9,7 +9,8 @@
 #
 # Environment: NEMO_GYM_RUN_DIR (pid and log files, default var/nemo-gym), NEMO_GYM_HEAD_PORT (default 11000),
 # NEMO_GYM_START_TIMEOUT (seconds, default 300), NEMO_GYM_MODEL (policy model name, default "sim"),
-# NEMO_GYM_EXTRA_CONFIGS (more config files for ng_run, comma-separated absolute paths).
+# NEMO_GYM_EXTRA_CONFIGS (more config files for ng_run, comma-separated absolute paths),
+# NEMO_GYM_PROFILING_DIR (ng_run's +profiling_enabled=true +profiling_results_dirpath=DIR; needs graphviz).
 # nemo-gym 0.4.0 needs Python >= 3.12 (later releases need >= 3.13.14); its servers' venvs are built by
 # `uv` from that same Python, never downloaded (UV_PYTHON_DOWNLOADS=never).
 set -euo pipefail
@@ -95,7 +96,11 @@ cmd_start() {
   # Own session (setsid) with SIGINT left at its default: `kill -INT` stops ng_run, its servers and Ray.
   mkdir -p "$HOME_DIR"
   LOG_OFFSET=$(stat -c %s "$LOG_FILE" 2>/dev/null || echo 0)  # the log is appended to: earlier starts stay readable
-  (cd "$HOME_DIR" && exec setsid "$NVENV/bin/ng_run" "+config_paths=[$cfgs]" \
+  # NEMO_GYM_PROFILING_DIR: ng_run's own +profiling_enabled=true +profiling_results_dirpath=DIR (seed 003; its
+  # servers need graphviz's `dot`)
+  local prof=()
+  [ -n "${NEMO_GYM_PROFILING_DIR:-}" ] && prof=("+profiling_enabled=true" "+profiling_results_dirpath=$NEMO_GYM_PROFILING_DIR")
+  (cd "$HOME_DIR" && exec setsid "$NVENV/bin/ng_run" "+config_paths=[$cfgs]" "${prof[@]}" \
       "+head_server.host=127.0.0.1" "+head_server.port=$port" \
       "+skip_venv_if_present=true" "+policy_base_url=$policy" "+policy_api_key=${NEMO_GYM_POLICY_API_KEY:-dummy-key}" \
       "+policy_model_name=${NEMO_GYM_MODEL:-sim}" >>"$LOG_FILE" 2>&1 </dev/null) &

@@ -12,6 +12,9 @@ def pytest_configure(config):
     # see ng_run, shrug it off. The tests' processes get Ctrl-C as they would in a terminal.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    from django.conf import settings
+
+    settings.PASSWORD_HASHERS = ["tests.hashers.FastPBKDF2PasswordHasher"]  # 1000 rounds, not 1M (tests/hashers.py)
 
 
 @pytest.fixture

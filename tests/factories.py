@@ -144,7 +144,8 @@ def make_job(owner, dataset, endpoint, *, n_rollouts=0, state="completed", rewar
                             status="failed" if is_failed else "ok", failure_class="http_429" if is_failed else "",
                             error="429 Too Many Requests" if is_failed else "", reward=reward, data=data,
                             queue_ms=1.0, ttft_ms=20.0 + i % 7, generation_ms=80.0 + i % 11, verify_ms=2.0,
-                            wall_ms=100.0 + i % 50, input_tokens=12, output_tokens=9))
+                            wall_ms=100.0 + i % 50, input_tokens=12, output_tokens=9,
+                            created_at=now - timezone.timedelta(seconds=3)))  # stored while its samples ran
         failed += is_failed
         ok += not is_failed
     Rollout.objects.bulk_create(rows, batch_size=1000)

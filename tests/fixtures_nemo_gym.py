@@ -40,13 +40,14 @@ class NemoGym:
         self.head_port = free_port()
         self.head_url = f"http://{self.head_host}:{self.head_port}"
         self.venv_bin = REPO_ROOT / ".venv-nemo-gym" / "bin"
+        self.extra_env: dict = {}  # e.g. NEMO_GYM_PROFILING_DIR for a restart with ng_run's profiling on
 
     def env(self) -> dict:
         base = _script("python").stdout.strip()
         return {**os.environ, "NEMO_GYM_RUN_DIR": self.run_dir, "NEMO_GYM_HEAD_PORT": str(self.head_port),
                 "NEMO_GYM_MODEL": self.sim.model, "NEMO_GYM_EXTRA_CONFIGS": str(SECOND_AGENT_CONFIG),
                 "UV_PYTHON_DOWNLOADS": "never",
-                "PATH": f"{self.venv_bin}:{Path(base).parent}:{os.environ.get('PATH', '')}"}
+                "PATH": f"{self.venv_bin}:{Path(base).parent}:{os.environ.get('PATH', '')}", **self.extra_env}
 
     def start(self) -> None:
         res = _script("start", self.sim.base_url, env=self.env())

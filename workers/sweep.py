@@ -24,7 +24,7 @@ import dataclasses
 import inspect
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from workers.engine.aggregate import quantile
 from workers.engine.runner import run_collection

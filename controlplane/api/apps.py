@@ -12,6 +12,9 @@ class ApiConfig(AppConfig):
     label = "api"
 
     def ready(self):
+        from controlplane.outbound import install
+
+        install()  # every call out of this process goes through the gate with the settings' policy
         # Production settings refuse to start with the published laptop key (or any weak one).
         if getattr(settings, "REQUIRE_STRONG_SECRET_KEY", False) and weak_secret_key(settings.SECRET_KEY):
             raise ImproperlyConfigured(

@@ -16,13 +16,13 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from .authentication import ExpiringTokenAuthentication
-from .exceptions import api_exception_handler
+from controlplane.rest.authentication import ExpiringTokenAuthentication
+from controlplane.rest.exceptions import api_exception_handler
 from .throttling import AnonRateThrottle
 
 
 class ExpiringTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "controlplane.api.authentication.ExpiringTokenAuthentication"
+    target_class = "controlplane.rest.authentication.ExpiringTokenAuthentication"
     name = "tokenAuth"
 
     def get_security_definition(self, auto_schema):

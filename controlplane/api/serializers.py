@@ -7,53 +7,16 @@ from drf_spectacular.utils import extend_schema_field
 from django.core.validators import RegexValidator
 from rest_framework import serializers
 
+from workers.nemo_gym.trajectory import trajectory
+
 from controlplane.access import visible_datasets, visible_endpoints
+from controlplane import operator as knobs
+from controlplane.disclosure import shown_for
 from controlplane.limits import endpoint_errors
-from controlplane.datasets.models import Dataset
+from controlplane.datasets.models import DESCRIPTION_MAX_CHARS, Dataset
 from controlplane.endpoints.models import Endpoint
 from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
-
-class StrictJSONTypes:
-    """JSON bodies must carry the types the schema states: DRF would accept "5" for an integer, 1 for a
-    boolean or 0 for a string, which the OpenAPI schema does not allow (and schemathesis checks)."""
-
-    def to_internal_value(self, data):
-        if isinstance(data, dict):
-            errors = {}
-            for name, field in self.fields.items():
-                if field.read_only or name not in data:
-                    continue
-                msg = _type_error(field, data[name])
-                if msg:
-                    errors[name] = [msg]
-            if errors:
-                raise serializers.ValidationError(errors)
-        return super().to_internal_value(data)
-
-
-def _type_error(field, value):
-    if value is None:
-        return None if field.allow_null else None  # DRF's own null handling reports it
-    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(field, serializers.BooleanField):
-        return None if isinstance(value, bool) else "Must be true or false."
-    if isinstance(field, serializers.IntegerField) or isinstance(field, serializers.PrimaryKeyRelatedField):
-        return None if isinstance(value, int) and not isinstance(value, bool) else "Must be an integer."
-    if isinstance(field, serializers.FloatField):
-        return None if is_num else "Must be a number."
-    if isinstance(field, (serializers.CharField, serializers.ChoiceField)):
-        return None if isinstance(value, str) else "Must be a string."
-    if isinstance(field, serializers.DictField):
-        return None if isinstance(value, dict) else "Must be an object."
-    if isinstance(field, serializers.ListField):
-        if not isinstance(value, list):
-            return "Must be an array."
-        for item in value:
-            msg = _type_error(field.child, item)
-            if msg:
-                return f"Item: {msg}"
-    return None
-
+from controlplane.rest.fields import NO_NUL, NOT_BLANK, ErrorSerializer, StrictJSONTypes  # noqa: F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------- datasets
 
@@ -85,7 +48,7 @@ class DatasetUploadSerializer(serializers.Serializer):
     file = serializers.FileField(help_text="A NeMo Gym JSONL task file")
     name = serializers.CharField(max_length=200, required=False, allow_blank=True,
                                  help_text="Defaults to the uploaded file's name")
-    description = serializers.CharField(required=False, allow_blank=True, default="")
+    description = serializers.CharField(max_length=DESCRIPTION_MAX_CHARS, required=False, allow_blank=True, default="")
     accept_partial = serializers.BooleanField(required=False, default=False,
                                               help_text="Keep the good lines of a file with bad lines")
     verifier = serializers.CharField(max_length=300, required=False, allow_blank=True, default="",
@@ -102,7 +65,7 @@ class DatasetListQuerySerializer(serializers.Serializer):
 
 class DatasetUploadQuerySerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
-    description = serializers.CharField(required=False, allow_blank=True, default="")
+    description = serializers.CharField(max_length=DESCRIPTION_MAX_CHARS, required=False, allow_blank=True, default="")
     accept_partial = serializers.BooleanField(required=False, default=False)
     verifier = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
 
@@ -128,7 +91,11 @@ class RowsQuerySerializer(serializers.Serializer):
 
 class DatasetRowSerializer(serializers.Serializer):
     index = serializers.IntegerField()
-    data = serializers.JSONField()
+    line_number = serializers.IntegerField()
+    data = serializers.JSONField(allow_null=True, help_text="null for a row longer than DATASET_ROW_MAX_CHARS")
+    truncated = serializers.BooleanField(required=False, help_text="present (true) on such a row")
+    size_chars = serializers.IntegerField(required=False, help_text="the length of such a row's JSON")
+    excerpt = serializers.CharField(required=False, help_text="the first characters of such a row's JSON")
 
 
 class DatasetRowsSerializer(serializers.Serializer):
@@ -136,6 +103,8 @@ class DatasetRowsSerializer(serializers.Serializer):
     row_count = serializers.IntegerField()
     offset = serializers.IntegerField()
     limit = serializers.IntegerField()
+    next_offset = serializers.IntegerField(allow_null=True, help_text="the offset of the next page (null at the end); "
+                                           "a page stops early before DATASET_ROWS_MAX_CHARS")
     rows = DatasetRowSerializer(many=True)
 
 
@@ -150,12 +119,25 @@ validate_base_url = RegexValidator(BASE_URL_REGEX, "Enter a valid http(s) URL, e
 
 
 # a visible character, and neither NUL nor lone surrogates (DRF refuses those): the schema says all of it
-NOT_BLANK = RegexValidator(r"^[^\x00\ud800-\udfff]*[^\s\x00\ud800-\udfff][^\x00\ud800-\udfff]*$",
-                           "must contain a visible character, and no NUL or surrogate characters")
-NO_NUL = RegexValidator(r"^[^\x00\ud800-\udfff]*$", "must not contain NUL or surrogate characters")
+
+class ShownToUser:
+    """Fields holding what servers answered (errors, health and pre-warm reports) as the requesting user may
+    read them (controlplane.disclosure): staff everything, everyone else never a server's body or banner."""
+
+    shown_fields: tuple[str, ...] = ()
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        user = getattr(self.context.get("request"), "user", None)
+        for name in self.shown_fields:
+            if name in data:
+                data[name] = shown_for(user, data[name])
+        return data
 
 
-class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
+class EndpointSerializer(ShownToUser, StrictJSONTypes, serializers.ModelSerializer):
+    shown_fields = ("last_health", "last_prewarm")
+
     # Names are stripped of surrounding whitespace, so they must hold a visible character (the
     # pattern puts that rule in the schema too).
     name = serializers.CharField(min_length=1, max_length=200, validators=[NOT_BLANK])
@@ -193,6 +175,8 @@ class EndpointSerializer(StrictJSONTypes, serializers.ModelSerializer):
         # the bounds the dashboard and admin check too (Endpoint.clean)
         current = {f: getattr(self.instance, f) for f in ("base_url", "replica_urls")} if self.instance else {}
         errors = endpoint_errors({**current, **attrs})
+        if why := knobs.queue_problem(attrs.get("worker_queue") or ""):  # the operator's queues only
+            errors.setdefault("worker_queue", []).append(why)
         if errors:
             raise serializers.ValidationError(errors)
         return attrs
@@ -284,13 +268,26 @@ class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
                                                     help_text="Overrides merged into every row (temperature, top_p, max_output_tokens, ...)")
     verifier = serializers.CharField(max_length=300, default="math",
                                      help_text="A registered name (" + ", ".join(_known_verifiers()) + "), an installed "
-                                     "entry point, or a dotted path to your own verifier ('mypkg.checks:my_verifier')")
+                                     "entry point, or a dotted path ('mypkg.checks:my_verifier') into a module the operator lists in "
+                                     "VERIFIER_PATH_MODULES")
     verifier_options = serializers.DictField(required=False, default=dict)
     verify_mode = serializers.ChoiceField(choices=CollectionJob.VerifyMode.choices, default="inline")
     verify_cache = serializers.ChoiceField(choices=["off", "job", "global"], default="job",
                                            help_text="Compute identical verifications once per job, across jobs, or never")
     chunk_size = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_CHUNK_SIZE, default=5000)
     profiling_enabled = serializers.BooleanField(default=False)
+    mlflow_tracking_uri = serializers.CharField(
+        required=False, allow_blank=True, default="", max_length=2000,
+        help_text="Export the job as an MLflow run: the name (or exact URI) of one of the deployment's tracking "
+                  "servers (MLFLOW_TRACKING_URIS); any other URI is refused")
+    max_version_lag = serializers.IntegerField(
+        min_value=0, max_value=2**31 - 1, required=False, allow_null=True, default=None,
+        help_text="Bounded staleness: the largest version lag (endpoint's current weight version - the rollout's "
+                  "version at dispatch) a trainer accepts from the rollout stream; null = any")
+    stale_policy = serializers.ChoiceField(
+        choices=CollectionJob.StalePolicy.choices, default="mark",
+        help_text="A rollout past max_version_lag is collected again with the current weights (recollect) or kept "
+                  "and marked stale (mark); either way the stream never hands it out")
 
     def validate_dataset(self, value):
         if value.status != Dataset.Status.READY:
@@ -306,7 +303,9 @@ class ProgressSerializer(serializers.Serializer):
     fraction = serializers.FloatField()
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(ShownToUser, serializers.ModelSerializer):
+    shown_fields = ("error_message", "aggregate_metrics", "verification")
+
     owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
     progress = serializers.SerializerMethodField()
 
@@ -314,7 +313,8 @@ class JobSerializer(serializers.ModelSerializer):
         model = CollectionJob
         fields = ["id", "name", "state", "dataset", "endpoint", "limit", "num_repeats", "num_samples_in_parallel",
                   "parallelism_auto", "responses_create_params", "verifier", "verifier_options", "verify_mode",
-                  "chunk_size", "profiling_enabled", "idempotency_key", "progress", "stalled", "stall_reason",
+                  "chunk_size", "profiling_enabled", "idempotency_key", "max_version_lag", "stale_policy",
+                  "progress", "stalled", "stall_reason",
                   "error_message",
                   "owner", "created_at", "started_at", "finished_at", "last_progress_at"]
         read_only_fields = fields
@@ -330,8 +330,20 @@ class JobDetailSerializer(JobSerializer):
 
     class Meta(JobSerializer.Meta):
         fields = [*JobSerializer.Meta.fields, "aggregate_metrics", "timing_summary", "elapsed_s", "verify_cache",
-                  "verification"]
+                  "verification", "figures"]
         read_only_fields = fields
+
+    figures = serializers.SerializerMethodField(
+        help_text="The job's figures as the dashboard shows them (controlplane.jobs.figures): rollouts_stored, ok, "
+                  "failed, running_s (pauses excluded), average_rollouts_per_s, recent_rollouts_per_s over "
+                  "recent_window_s, recent_output_tokens_per_s; input_tokens and output_tokens stored, "
+                  "average_tokens_per_s (input + output) and average_output_tokens_per_s over running_s")
+
+    @extend_schema_field({"type": "object", "additionalProperties": {}})
+    def get_figures(self, job):
+        from controlplane.jobs.figures import job_figures
+
+        return job_figures(job)
 
     verification = serializers.SerializerMethodField(help_text="The latest batch verification run, if any")
 
@@ -342,12 +354,10 @@ class JobDetailSerializer(JobSerializer):
         return summary(job)
 
     def get_elapsed_s(self, job) -> float | None:
-        if not job.started_at:
-            return None
-        from django.utils import timezone
+        """Running time, pauses and queue waits excluded (the job page's elapsed)."""
+        from controlplane.jobs.figures import running_seconds
 
-        end = job.finished_at or timezone.now()
-        return max(0.0, (end - job.started_at).total_seconds())
+        return running_seconds(job)
 
 
 class JobListQuerySerializer(serializers.Serializer):
@@ -357,6 +367,13 @@ class JobListQuerySerializer(serializers.Serializer):
     endpoint = serializers.IntegerField(min_value=1, max_value=2**63 - 1, required=False)
     created_after = serializers.DateTimeField(required=False, help_text="ISO 8601; inclusive")
     created_before = serializers.DateTimeField(required=False, help_text="ISO 8601; exclusive")
+
+
+class HistoryQuerySerializer(serializers.Serializer):
+    days = serializers.IntegerField(min_value=0, max_value=36500, required=False,
+                                      help_text="Only jobs created in the last N days (0 or absent: all)")
+    format = serializers.ChoiceField(choices=["json", "csv"], required=False, default="json",
+                                       help_text="csv: the History page's throughput_log.csv")
 
 
 class FiniteFloatField(serializers.FloatField):
@@ -369,6 +386,19 @@ class FiniteFloatField(serializers.FloatField):
         return value
 
 
+class TaskProfileQuerySerializer(serializers.Serializer):
+    pass_threshold = FiniteFloatField(required=False, default=1.0,
+                                      help_text="A pass: an ok rollout with reward >= this (default 1.0)")
+    order = serializers.ChoiceField(choices=["task", "mean", "-mean", "variance", "-variance", "pass_rate",
+                                             "-pass_rate"], required=False, default="task",
+                                    help_text="Sort the tasks by this ('-': descending; ties by task index)")
+    limit = serializers.IntegerField(min_value=1, max_value=100_000, required=False, default=1000,
+                                     help_text="JSON: at most this many tasks (the CSV has them all)")
+    offset = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False, default=0)
+    format = serializers.ChoiceField(choices=["json", "csv"], required=False, default="json",
+                                     help_text="csv: every task, one line each (task_profile.csv)")
+
+
 class RolloutQuerySerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=Rollout.Status.choices, required=False)
     failure_class = serializers.CharField(max_length=40, required=False)
@@ -376,15 +406,25 @@ class RolloutQuerySerializer(serializers.Serializer):
     reward_max = FiniteFloatField(required=False)
     wall_ms_min = FiniteFloatField(required=False)
     wall_ms_max = FiniteFloatField(required=False)
+    trace_id = serializers.CharField(max_length=60, required=False,
+                                     help_text="The W3C trace id of its model requests (or a whole traceparent)")
 
 
-class RolloutSerializer(serializers.ModelSerializer):
+class RolloutSerializer(ShownToUser, serializers.ModelSerializer):
+    shown_fields = ("error",)
+    trajectory = serializers.SerializerMethodField(
+        help_text="An agent's rollout turn by turn (model calls, tool calls and their results); [] for one answer")
+
     class Meta:
         model = Rollout
         fields = ["id", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "queue_ms",
                   "ttft_ms", "generation_ms", "verify_ms", "wall_ms", "input_tokens", "output_tokens", "attempts",
-                  "weight_version", "worker", "created_at", "data"]
+                  "weight_version", "completed_version", "spans_update", "stale", "worker", "trace_id", "created_at", "data",
+                  "trajectory"]
         read_only_fields = fields
+
+    def get_trajectory(self, obj) -> list:
+        return trajectory(obj.data)
 
 
 class MetricQuerySerializer(serializers.Serializer):
@@ -392,7 +432,9 @@ class MetricQuerySerializer(serializers.Serializer):
     worker = serializers.CharField(max_length=200, required=False)
 
 
-class JobMetricSampleSerializer(serializers.ModelSerializer):
+class JobMetricSampleSerializer(ShownToUser, serializers.ModelSerializer):
+    shown_fields = ("extra",)  # replica and scrape errors from the workers
+
     class Meta:
         model = JobMetricSample
         fields = ["id", "t", "worker", "elapsed_s", "completed", "failed", "samples_per_s", "output_tokens_per_s",
@@ -423,12 +465,26 @@ class JobWorkersSerializer(serializers.Serializer):
 class ExportQuerySerializer(serializers.Serializer):
     which = serializers.ChoiceField(choices=["ok", "failed", "all"], default="ok",
                                     help_text="ok: the output rows; failed: the failures (with failure_class); all: both")
+    reward_min = FiniteFloatField(required=False, help_text="Curate: rows with reward >= this only")
+    reward_max = FiniteFloatField(required=False, help_text="Curate: rows with reward <= this only")
+    skip_equal = serializers.BooleanField(required=False, default=False,
+                                          help_text="Curate: leave out tasks whose ok rollouts all have the same reward")
+    max_lag = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False,
+                                       help_text="Curate: leave out rows more than this many weight versions behind "
+                                                 "the endpoint's current one, and rows marked stale")
+    failure_class = serializers.RegexField(r"^[a-z0-9_]{1,40}(,[a-z0-9_]{1,40}){0,19}$", max_length=900,
+                                           required=False, help_text="Curate: failed rows only of these classes "
+                                                                     "(comma-separated)")
 
 
-class ErrorSerializer(serializers.Serializer):
-    detail = serializers.CharField()
-    code = serializers.CharField(required=False)
-    state = serializers.CharField(required=False)
+def export_filters(d: dict) -> dict:
+    """ExportQuerySerializer's validated data -> controlplane.jobs.export.curate()'s keywords."""
+    out = {k: d[k] for k in ("reward_min", "reward_max", "max_lag") if d.get(k) is not None}
+    if d.get("skip_equal"):
+        out["skip_equal"] = True
+    if d.get("failure_class"):
+        out["failure_classes"] = d["failure_class"].split(",")
+    return out
 
 
 class VerifyRequestSerializer(StrictJSONTypes, serializers.Serializer):

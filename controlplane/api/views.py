@@ -6,7 +6,7 @@ import io
 import logging
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import StreamingHttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
@@ -14,23 +14,27 @@ from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import MultiPartParser
-from rest_framework.renderers import JSONRenderer
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_datasets, visible_endpoints, visible_jobs
 from controlplane.datasets import services as dataset_services
-from controlplane.endpoints.replica_load import replica_load
+from controlplane.jobs.replica_load import replica_load
 from controlplane.endpoints.tasks import enqueue as enqueue_endpoint_task
+from controlplane.jobs import history as job_history
 from controlplane.jobs import services as job_services
+from controlplane.disclosure import error_for, shown_for
 from controlplane.jobs.export import iter_export_lines, streamed_for
+from controlplane.jobs import versions as job_versions
+from controlplane.jobs import profile as job_profile
 from controlplane.jobs.models import JobMetricSample, Rollout
 
 from . import serializers as s
-from .conventions import READ_ERRORS, ApiMixin, errors, query_params
-from .exceptions import Conflict
-from .pagination import IdCursorPagination, JobCursorPagination, MetricCursorPagination
-from .parsers import JSONLinesParser, JSONParser, NDJSONParser, NDJSONRenderer
+from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.rest.exceptions import Conflict
+from .pagination import IdCursorPagination, JobCursorPagination, ListCursorPagination, MetricCursorPagination
+from controlplane.rest.parsers import JSONLinesParser, JSONParser, NDJSONParser, NDJSONRenderer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ _query = query_params
 
 
 @extend_schema_view(
-    list=extend_schema(summary="List datasets", parameters=[s.DatasetListQuerySerializer],
+    list=extend_schema(summary="List datasets (newest first)", parameters=[s.DatasetListQuerySerializer],
                        responses={200: s.DatasetSerializer(many=True), **errors(400, 401, 429)}),
     retrieve=extend_schema(summary="Dataset detail (with the validation report)",
                            responses={200: s.DatasetDetailSerializer, **errors(*READ_ERRORS)}),
@@ -54,9 +58,12 @@ _query = query_params
 class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
                      viewsets.GenericViewSet):
     parser_classes = [MultiPartParser, NDJSONParser, JSONLinesParser]
+    pagination_class = ListCursorPagination
 
     def get_queryset(self):
         qs = visible_datasets(self.request.user).select_related("owner")
+        if self.action != "retrieve":
+            qs = qs.defer("validation_report")  # up to a thousand bad lines each: only the detail shows it
         if self.action == "list":
             q = _query(s.DatasetListQuerySerializer, self.request)
             for key in ("sha256", "status", "name"):
@@ -124,9 +131,9 @@ class DatasetViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
         dataset = self.get_object()
         q = _query(s.RowsQuerySerializer, request)
         start = q["offset"]
-        rows = [{"index": i, "data": row} for i, row in dataset_services.iter_rows(dataset, start, start + q["limit"])]
+        rows, next_offset = dataset_services.bounded_rows(dataset, start, q["limit"])  # big rows cut, page bounded
         return Response({"dataset": dataset.pk, "row_count": dataset.row_count, "offset": start,
-                         "limit": q["limit"], "rows": rows})
+                         "limit": q["limit"], "next_offset": next_offset, "rows": rows})
 
 
 def _rejection_body(exc) -> dict:
@@ -156,7 +163,8 @@ def _rejection_body(exc) -> dict:
 
 
 @extend_schema_view(
-    list=extend_schema(summary="List endpoints", responses={200: s.EndpointSerializer(many=True), **errors(401, 429)}),
+    list=extend_schema(summary="List endpoints (newest first)",
+                       responses={200: s.EndpointSerializer(many=True), **errors(400, 401, 429)}),
     retrieve=extend_schema(summary="Endpoint detail", responses={200: s.EndpointSerializer, **errors(*READ_ERRORS)}),
     create=extend_schema(summary="Create an endpoint (api_key is write-only)",
                          responses={201: s.EndpointSerializer, **errors(400, 401, 429)}),
@@ -168,6 +176,7 @@ def _rejection_body(exc) -> dict:
 class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
     serializer_class = s.EndpointSerializer
     parser_classes = [JSONParser]
+    pagination_class = ListCursorPagination
 
     def get_queryset(self):
         return visible_endpoints(self.request.user).select_related("owner")
@@ -189,8 +198,10 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
             log.warning("could not enqueue %s of endpoint %s: %s", kind, endpoint.pk, exc)
             return Response({"detail": "The task queue is unavailable; try again shortly.", "code": "unavailable"},
                             status=status.HTTP_503_SERVICE_UNAVAILABLE)
-        return Response({"endpoint": endpoint.pk, "queued": kind, "last_health": endpoint.last_health,
-                         "last_health_at": endpoint.last_health_at, "last_prewarm": endpoint.last_prewarm},
+        return Response({"endpoint": endpoint.pk, "queued": kind,
+                         "last_health": shown_for(self.request.user, endpoint.last_health),
+                         "last_health_at": endpoint.last_health_at,
+                         "last_prewarm": shown_for(self.request.user, endpoint.last_prewarm)},
                         status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(summary="Per-replica load: in flight, requests, errors, in or out of rotation and since when "
@@ -198,7 +209,7 @@ class EndpointViewSet(ApiMixin, viewsets.ModelViewSet):
                    responses={200: s.ReplicaLoadSerializer, **errors(*READ_ERRORS)})
     @action(detail=True, methods=["get"])
     def replicas(self, request, pk=None):
-        return Response(replica_load(self.get_object()))
+        return Response(shown_for(request.user, replica_load(self.get_object())))
 
     @extend_schema(summary="Check the endpoint's health (in a worker; the result lands in last_health)",
                    request=None, responses={202: s.EndpointQueuedSerializer, **errors(*READ_ERRORS, 503)})
@@ -358,10 +369,12 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, NDJSONRenderer])
     def export(self, request, pk=None):
         job = self.get_object()
-        which = _query(s.ExportQuerySerializer, request)["which"]
-        response = StreamingHttpResponse(streamed_for(request, _encode_lines(iter_export_lines(job, which=which))),
+        q = _query(s.ExportQuerySerializer, request)
+        lines = iter_export_lines(job, which=q["which"], error_view=lambda text: error_for(request.user, text),
+                                  filters=s.export_filters(q))
+        response = StreamingHttpResponse(streamed_for(request, _encode_lines(lines)),
                                          content_type=f"{NDJSON}; charset=utf-8")
-        suffix = {"ok": "", "failed": "_failures", "all": "_all"}[which]
+        suffix = {"ok": "", "failed": "_failures", "all": "_all"}[q["which"]]
         response["Content-Disposition"] = f'attachment; filename="job-{job.pk}{suffix}.jsonl"'
         response["X-Job-State"] = job.state
         return response
@@ -429,6 +442,54 @@ class JobMetricsView(_JobChildList):
         return qs
 
 
+class CSVRenderer(BaseRenderer):
+    media_type, format = "text/csv", "csv"  # ?format=csv (or Accept: text/csv): the view writes the CSV itself
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data if isinstance(data, bytes) else JSONRenderer().render(data)
+
+
+@extend_schema(summary="History: every job you ran with its throughput (rollouts/s, tokens/s, output tokens/s) and "
+                       "mean reward, oldest first - the History page and its throughput_log.csv",
+               parameters=[s.HistoryQuerySerializer],
+               responses={200: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS)})
+class HistoryView(ApiMixin, APIView):
+    renderer_classes = [JSONRenderer, CSVRenderer]
+
+    def get(self, request):
+        q = _query(s.HistoryQuerySerializer, request)
+        rows = job_history.history_rows(visible_jobs(request.user), q.get("days") or None)
+        if q.get("format") == "csv" or request.accepted_renderer.format == "csv":
+            resp = HttpResponse(content_type="text/csv")
+            resp["Content-Disposition"] = 'attachment; filename="throughput_log.csv"'
+            job_history.write_csv(rows, resp)
+            return resp
+        return Response({"count": len(rows), "results": [job_history.as_json(r) for r in rows]})
+
+
+@extend_schema(summary="Per-task reward profile: each task's rollouts, mean reward, variance, pass rate and range, "
+                       "with how many tasks have zero variance, always pass or never pass (JSON, or CSV)",
+               parameters=[s.TaskProfileQuerySerializer],
+               responses={200: OpenApiTypes.OBJECT, (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR),
+                          **errors(400, *READ_ERRORS)})
+class JobTaskProfileView(ApiMixin, APIView):
+    renderer_classes = [JSONRenderer, CSVRenderer]
+
+    def get(self, request, job_id: str):
+        q = _query(s.TaskProfileQuerySerializer, request)
+        job = visible_jobs(request.user).filter(pk=int(job_id)).first()
+        if job is None:
+            raise NotFound("No CollectionJob matches the given query.")
+        if q["format"] == "csv" or request.accepted_renderer.format == "csv":
+            resp = StreamingHttpResponse(job_profile.iter_csv(job, pass_threshold=q["pass_threshold"],
+                                                              order=q["order"]), content_type="text/csv")
+            resp["Content-Disposition"] = f'attachment; filename="job-{job.pk}-task_profile.csv"'
+            return resp
+        out = job_profile.task_profile(job, pass_threshold=q["pass_threshold"], order=q["order"], limit=q["limit"],
+                                       offset=q["offset"])
+        return Response({"job": job.pk, **out})
+
+
 class ApiNotFound(ApiMixin, APIView):
     """Anything under /api/ that no route matches: a JSON 404, not the HTML page."""
 
@@ -442,3 +503,13 @@ class ApiNotFound(ApiMixin, APIView):
         response = Response({"detail": "Not found."}, status=status.HTTP_404_NOT_FOUND)
         self.response = self.finalize_response(self.request, response, *args, **kwargs)
         return self.response
+
+
+class JobWeightVersionsView(ApiMixin, APIView):
+    @extend_schema(summary="A job's rollouts per weight version, and their version lag (staleness)",
+                   responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
+    def get(self, request, job_id: str):
+        job = visible_jobs(request.user).filter(pk=int(job_id)).first()
+        if job is None:
+            raise NotFound("No CollectionJob matches the given query.")
+        return Response({"job": job.pk, **job_versions.job_versions(job)})

@@ -21,11 +21,24 @@ def _param(job, name):
     return getattr(job, name)
 
 
+def shown_value(v) -> str:
+    """A parameter as a user writes it: JSON for objects and lists, true/false, "—" for none (no Python reprs)."""
+    import json
+
+    if v is None or v == "" or v == {} or v == []:
+        return "—"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, ensure_ascii=False, default=str)
+    return str(v)
+
+
 def compare_jobs(jobs: list) -> dict:
     params = []
     for name in PARAMS:
-        vals = [_param(j, name) for j in jobs]
-        params.append({"name": name, "values": vals, "differs": len({repr(v) for v in vals}) > 1})
+        vals = [shown_value(_param(j, name)) for j in jobs]
+        params.append({"name": name, "values": vals, "differs": len(set(vals)) > 1})
 
     summary = []
     for j in jobs:

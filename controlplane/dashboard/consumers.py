@@ -3,7 +3,7 @@
 Progress messages are published by the jobs runtime's sink to group `job-<id>` with type
 `job.progress` (controlplane/jobs/events.py); the handler below forwards them as JSON unchanged.
 The endpoint page's socket joins `endpoint-<id>`: the sink nudges it when a run stored a replica table, and
-the consumer answers with the endpoint's replica load read from the database (controlplane.endpoints.replica_load).
+the consumer answers with the endpoint's replica load read from the database (controlplane.jobs.replica_load).
 """
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.template.loader import render_to_string
 
 from controlplane.access import visible_endpoints, visible_jobs
-from controlplane.endpoints.replica_load import LIVE_MESSAGE_TYPE, endpoint_group, replica_load
+from controlplane.disclosure import error_for, shown_for
+from controlplane.jobs.replica_load import LIVE_MESSAGE_TYPE, endpoint_group, replica_load
 from controlplane.jobs.events import job_group
 from controlplane.jobs.models import ACTIVE_STATES
 
+from .sessions import SESSION_RECHECK_S, session_group, session_user_id
+
 # Close codes (sent only after accept; a refused handshake is an HTTP 403 to the browser).
+SESSION_ENDED = 4401  # logged out (or the session expired): the page's reconnects are refused from now on
 MAX_OVERVIEW_JOBS = 50
 
 
@@ -51,6 +55,11 @@ class ProgressConsumer(AsyncJsonWebsocketConsumer):
         if joined is None:
             await self.close()
             return
+        self.session_key = getattr(self.scope.get("session"), "session_key", None)
+        if self.session_key:  # logging out closes this socket (sessions.py)
+            joined = [*joined, session_group(self.session_key)]
+        self.user_id = str(user.pk)
+        self.session_checked = time.monotonic()
         self.joined = joined
         for g in joined:
             await self.channel_layer.group_add(g, self.channel_name)
@@ -66,7 +75,23 @@ class ProgressConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "pong"})
 
     async def job_progress(self, event):
+        if event.get("error_message"):  # a failed job's reason, as this user may read it
+            event = dict(event, error_message=error_for(self.scope.get("user"), event["error_message"]))
         await self.send_json(event)
+
+    async def session_ended(self, event):
+        await self.close(code=SESSION_ENDED)
+
+    async def send_json(self, content, close=False):
+        """Send only while the session this socket was opened with is still this user's (checked at most every
+        SESSION_RECHECK_S; a logout closes the socket at once through session_ended)."""
+        if time.monotonic() - getattr(self, "session_checked", 0.0) > SESSION_RECHECK_S:
+            self.session_checked = time.monotonic()
+            alive = bool(self.session_key) and await database_sync_to_async(session_user_id)(self.session_key) == self.user_id
+            if not alive:
+                await self.close(code=SESSION_ENDED)
+                return
+        await super().send_json(content, close=close)
 
 
 class JobConsumer(ProgressConsumer):
@@ -101,9 +126,9 @@ def _visible_endpoint(user, endpoint_id):
 
 
 @database_sync_to_async
-def _replica_message(endpoint) -> dict:
+def _replica_message(endpoint, user) -> dict:
     endpoint.refresh_from_db(fields=["last_health", "base_url", "replica_urls"])
-    load = replica_load(endpoint)
+    load = shown_for(user, replica_load(endpoint))  # never what a server said, for non-staff
     return {"type": LIVE_MESSAGE_TYPE, "endpoint_id": endpoint.pk, "load": load,
             "html": render_to_string("dashboard/_replica_load.html", {"load": load})}
 
@@ -157,4 +182,4 @@ class EndpointConsumer(ProgressConsumer):
 
     async def send_replicas(self):
         self.last_sent = time.monotonic()
-        await self.send_json(await _replica_message(self.endpoint))
+        await self.send_json(await _replica_message(self.endpoint, self.scope.get("user")))

@@ -10,16 +10,21 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
-from controlplane.access import visible_endpoints
+from controlplane.access import visible_endpoints, visible_sweeps
+from controlplane.diagnostics import services as diagnostics
 from controlplane.endpoints import admin_ops
 from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
-from controlplane.endpoints.replica_load import replica_load
+from controlplane.jobs.replica_load import replica_load
 
 
 @login_required
 @require_GET
 def endpoint_detail(request, endpoint_id):
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)
+    return _detail(request, ep)
+
+
+def _detail(request, ep, status=200):
     trace = request.GET.get("trace", "").strip()[:64]
     kind = request.GET.get("kind", "")
     kind = kind if kind in admin_ops.KINDS else ""
@@ -27,12 +32,14 @@ def endpoint_detail(request, endpoint_id):
         "ep": ep, "trace": trace, "kind": kind, "kinds": AdminOperation.Kind.choices,
         "log": _shown(request.user, admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
         "stats": admin_ops.timing_stats(ep), "alerts": list(admin_ops.queue_alerts(ep, limit=10)),
-        "threshold": admin_ops.queue_alert_ms(),
+        "threshold": admin_ops.queue_alert_ms(), "slow_actions": list(admin_ops.slow_actions(ep, limit=10)),
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
         "current_version": admin_ops.current_version(ep),
         "actions": [(a, admin_ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
-        "load": replica_load(ep),
-    })
+        "load": admin_ops.result_for(request.user, replica_load(ep)),
+        "sweeps": list(visible_sweeps(request.user).filter(endpoint=ep).defer("verifier_options",
+                                                                              "responses_create_params")[:10]),
+    }, status=status)
 
 
 def _shown(user, operations) -> list:
@@ -67,6 +74,9 @@ def endpoint_admin_action(request, endpoint_id, kind):
     except admin_ops.AdminOpError as e:
         messages.error(request, str(e))
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
+    except admin_ops.SharedServerDenied as e:  # the page again, with the reason, as a 403
+        messages.error(request, f"{kind} refused: {e}")
+        return _detail(request, ep, status=403)
     except admin_ops.QueueUnavailable as e:
         messages.error(request, str(e))
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
@@ -77,3 +87,15 @@ def endpoint_admin_action(request, endpoint_id, kind):
     else:
         messages.info(request, f"{kind} queued (trace {action.trace_id}); its outcome shows under Actions")
     return redirect(reverse("dashboard:endpoint", args=[ep.pk]) + "?trace=" + action.trace_id)
+
+
+@login_required
+@require_POST
+def sweep_cancel(request, sweep_id):
+    """Cancel one of the user's parallelism sweeps (a running one stops within seconds), back to its endpoint."""
+    sweep = get_object_or_404(visible_sweeps(request.user), pk=sweep_id)
+    if diagnostics.cancel_sweep(sweep):
+        messages.success(request, f"sweep {sweep.pk} cancelled")
+    else:
+        messages.error(request, f"sweep {sweep.pk} is {sweep.state}: it has already ended")
+    return redirect("dashboard:endpoint", endpoint_id=sweep.endpoint_id)

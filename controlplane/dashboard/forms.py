@@ -1,7 +1,6 @@
 """Forms: dataset upload, endpoint, job launch (every ng_collect_rollouts parameter), rollout filters."""
 from __future__ import annotations
 
-import json
 
 from django import forms
 
@@ -60,6 +59,19 @@ class EndpointForm(forms.ModelForm):
                   "request_timeout_s", "connect_timeout_s", "max_retries", "rpm_limit", "tpm_limit", "replica_affinity"]
         widgets = {"api_key": forms.PasswordInput(render_value=False)}
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from controlplane.operator import worker_queues
+
+        # the operator's queues only (Endpoint.clean checks it again); a value saved earlier stays listed
+        current = self.instance.worker_queue if self.instance and self.instance.pk else ""
+        choices = [("", "default (JOBS_ENDPOINT_QUEUES, else the default queue)")]
+        choices += [(q, q) for q in worker_queues()]
+        if current and current not in dict(choices):
+            choices.append((current, f"{current} (not one of the operator's queues)"))
+        self.fields["worker_queue"] = forms.ChoiceField(choices=choices, required=False,
+                                                        help_text=Endpoint._meta.get_field("worker_queue").help_text)
+
     def clean_replica_urls_text(self):
         urls = [u.strip() for u in (self.cleaned_data.get("replica_urls_text") or "").splitlines() if u.strip()]
         v = forms.URLField(assume_scheme="http")
@@ -86,20 +98,30 @@ class LaunchJobForm(forms.Form):
                                  help_text='JSON object merged into every row, e.g. {"seed": 1}')
     verifier = forms.CharField(max_length=300, initial="math",
                                widget=forms.TextInput(attrs={"list": "verifier-names", "autocomplete": "off"}),
-                               help_text="a built-in (list), an installed entry point, or your own by dotted path "
-                                         "(mypkg.checks:my_verifier)")
+                               help_text="a built-in or registered one (list), or by dotted path into a module "
+                                         "the operator listed (VERIFIER_PATH_MODULES)")
     verifier_options = JSONDictField(required=False)
     verify_mode = forms.ChoiceField(choices=CollectionJob.VerifyMode.choices, initial="inline")
     verify_cache = forms.ChoiceField(choices=[("job", "per job"), ("global", "across jobs"), ("off", "off")],
                                      initial="job", required=False)
     chunk_size = forms.IntegerField(min_value=1, initial=5000, help_text="dataset rows per chunk (unit of distribution)")
     profiling_enabled = forms.BooleanField(required=False)
+    mlflow_tracking_uri = forms.ChoiceField(required=False, label="MLflow", choices=[("", "off")],
+                                            help_text="export the job as an MLflow run to one of the deployment's "
+                                                      "tracking servers")
     idempotency_key = forms.CharField(required=False, max_length=200)
 
     def __init__(self, *args, endpoints=None, **kwargs):
         super().__init__(*args, **kwargs)
         if endpoints is not None:
             self.fields["endpoint"].queryset = endpoints
+        from controlplane.jobs.services import mlflow_targets
+
+        targets = sorted(mlflow_targets())  # names only: the URIs are the deployment's business
+        if targets:
+            self.fields["mlflow_tracking_uri"].choices = [("", "off"), *((n, n) for n in targets)]
+        else:
+            del self.fields["mlflow_tracking_uri"]
         from workers.verifiers import known_names
 
         self.verifier_names = known_names()
@@ -125,6 +147,7 @@ class LaunchJobForm(forms.Form):
             "chunk_size": d["chunk_size"],
             "profiling_enabled": d.get("profiling_enabled", False),
             "idempotency_key": d.get("idempotency_key") or None,
+            "mlflow_tracking_uri": d.get("mlflow_tracking_uri") or "",
         }
 
 
@@ -136,6 +159,8 @@ class RolloutFilterForm(forms.Form):
     latency_min = forms.FloatField(required=False, label="wall ms ≥")
     latency_max = forms.FloatField(required=False, label="wall ms ≤")
     task = forms.IntegerField(required=False, min_value=0, label="task index")
+    trace = forms.CharField(required=False, max_length=60, label="trace id",
+                            help_text="the trace id of a model request's traceparent (or the whole header)")
 
     def apply(self, qs):
         if not self.is_valid():
@@ -144,7 +169,7 @@ class RolloutFilterForm(forms.Form):
         return qs.matching(status=d.get("status"), failure_class=d.get("failure_class"),
                            reward_min=d.get("reward_min"), reward_max=d.get("reward_max"),
                            wall_ms_min=d.get("latency_min"), wall_ms_max=d.get("latency_max"),
-                           task_index=d.get("task"))
+                           task_index=d.get("task"), trace_id=d.get("trace"))
 
     def is_filtered(self):
         return self.is_valid() and any(v not in (None, "") for v in self.cleaned_data.values())

@@ -106,3 +106,21 @@ def connect_signals():
 
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="dashboard-heartbeat-ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="dashboard-heartbeat-shutdown")
+
+
+class WorkersCollector:
+    """Prometheus gauges of the live workers, from their heartbeats (registered for the scrape in ready())."""
+
+    def collect(self):
+        from django.db.models import Count, Sum
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            workers = alive_workers().aggregate(n=Count("id"), slots=Sum("concurrency"))
+        except Exception as exc:  # noqa: BLE001 - the database gauge already reports the outage
+            log.warning("metrics: worker heartbeats unavailable: %s", exc)
+            return
+        yield GaugeMetricFamily("controlplane_workers", "Celery workers alive (heartbeat fresher than "
+                                "ALIVE_AFTER_S)", value=workers["n"] or 0)
+        yield GaugeMetricFamily("controlplane_worker_slots", "Task slots (concurrency) over the live workers",
+                                value=workers["slots"] or 0)

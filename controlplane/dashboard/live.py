@@ -9,35 +9,31 @@ from datetime import timedelta
 from django.db import connection
 from django.utils import timezone
 
+from controlplane.disclosure import error_for
+from controlplane.jobs import figures
+from controlplane.jobs import history as job_history
 from controlplane.jobs.events import job_progress
 from controlplane.jobs.models import JobMetricSample
 
 SERIES_MAX_POINTS = 1800  # seconds of history the charts start with
+INCOMPLETE_S = 1.0  # a running job's seconds newer than this (plus the second itself) are left to the live stream
 
 
 def elapsed_s(job) -> float | None:
-    if not job.started_at:
-        return None
-    end = job.finished_at or timezone.now()
-    return max((end - job.started_at).total_seconds(), 0.0)
+    """The job's running time, pauses excluded (controlplane.jobs.figures)."""
+    return figures.running_seconds(job)
 
 
 def average_rate(job) -> float | None:
-    el = elapsed_s(job)
-    if not el:
-        return None
-    return job.done_count / el
+    """Rollouts stored per second of running time (controlplane.jobs.figures)."""
+    return figures.average_rate(job)
 
 
-def job_snapshot(job, now=None) -> dict:
+def job_snapshot(job, now=None, user=None) -> dict:
     """The `job.progress` message rebuilt from the database by the same builder the live stream uses
-    (controlplane.jobs.events.job_progress), plus a few display-only fields."""
+    (controlplane.jobs.events.job_progress), the error as `user` may read it."""
     out = job_progress(job, now)
-    out.update({
-        "avg_samples_per_s": average_rate(job),
-        "elapsed_s": elapsed_s(job),
-        "error_message": job.error_message,
-    })
+    out["error_message"] = error_for(user, job.error_message)
     return out
 
 
@@ -55,15 +51,36 @@ def metric_series(job, max_points: int = SERIES_MAX_POINTS) -> dict:
     else:
         buckets, err = _series_python(window)
     secs = sorted(buckets)[-max_points:]
+    if str(job.state) == "running":
+        # the newest seconds' rows are not all stored yet (batched writes): their rate would dip at the end;
+        # the live messages continue the line from there
+        fresh = timezone.now().timestamp() - INCOMPLETE_S
+        secs = [s for s in secs if s + 1 <= fresh] or secs[:1]
     classes_sorted = sorted({c for per in err.values() for c in per})
-    return {
-        "t": secs,
-        "samples_per_s": [round(buckets[s][0], 3) for s in secs],
-        "output_tokens_per_s": [round(buckets[s][1], 3) for s in secs],
-        "in_flight": [int(buckets[s][2]) for s in secs],
-        "error_classes": classes_sorted,
-        "errors": {c: [err.get(s, {}).get(c, 0) for s in secs] for c in classes_sorted},
-    }
+    # rates: the live row's figure at each second (stored rows over the recent window, figures.rate_series),
+    # so a run's first or last interval is no spike; in flight and errors as the runs reported them
+    rates, tokens = figures.rate_series(job.pk, secs, {s for s in secs if buckets[s][2] > 0})
+    out = {"t": [], "samples_per_s": [], "output_tokens_per_s": [], "in_flight": [], "error_classes": classes_sorted,
+           "errors": {c: [] for c in classes_sorted}}
+    prev = None
+    for i, s in enumerate(secs):
+        if prev is not None and s - prev > figures.GAP_S:  # nothing ran (paused, queued): the lines break
+            _append_point(out, prev + 1, None, None, None, {c: None for c in classes_sorted})
+        _append_point(out, s, rates[i], tokens[i], int(buckets[s][2]),
+                      {c: err.get(s, {}).get(c, 0) for c in classes_sorted})
+        prev = s
+    if secs and str(job.state) != "running":  # not running now: the line ends at its last sample
+        _append_point(out, secs[-1] + 1, None, None, None, {c: None for c in classes_sorted})
+    return out
+
+
+def _append_point(out, t, rate, tokens, in_flight, errors):
+    out["t"].append(t)
+    out["samples_per_s"].append(rate)
+    out["output_tokens_per_s"].append(tokens)
+    out["in_flight"].append(in_flight)
+    for c, v in errors.items():
+        out["errors"][c].append(v)
 
 
 def _series_python(window):
@@ -103,32 +120,4 @@ def _series_postgres(job_id, since):
     return buckets, err
 
 
-def parallelism_run(job_ids) -> dict[int, dict]:
-    """The parallelism each job actually ran at (an adaptive job moves far from its configured value):
-    per second, the sum over its chunk series of their parallelism while they had requests in flight;
-    then min / mean / max over those seconds. {job_id: {"min", "mean", "max"}}, jobs without samples left out."""
-    job_ids = list(job_ids)
-    if not job_ids:
-        return {}
-    per_sec: dict[tuple[int, int], dict[str, int]] = {}
-    if connection.vendor == "postgresql":
-        table = JobMetricSample._meta.db_table
-        with connection.cursor() as cur:
-            cur.execute(
-                f"SELECT job_id, min(p)::float, avg(p)::float, max(p)::float FROM ("
-                f"  SELECT job_id, sec, sum(p) AS p FROM ("
-                f"    SELECT job_id, floor(extract(epoch FROM t))::bigint AS sec, worker, max(parallelism) AS p"
-                f"    FROM {table} WHERE job_id = ANY(%s) AND in_flight > 0 GROUP BY job_id, sec, worker"
-                f"  ) s GROUP BY job_id, sec"
-                f") j GROUP BY job_id",
-                [job_ids],
-            )
-            return {jid: {"min": int(lo), "mean": round(mean, 1), "max": int(hi)} for jid, lo, mean, hi in cur.fetchall()}
-    for jid, t, worker, p in (JobMetricSample.objects.filter(job_id__in=job_ids, in_flight__gt=0)
-                              .values_list("job_id", "t", "worker", "parallelism")):
-        series = per_sec.setdefault((jid, int(t.timestamp())), {})
-        series[worker] = max(series.get(worker, 0), p)
-    by_job: dict[int, list[int]] = defaultdict(list)
-    for (jid, _), series in per_sec.items():
-        by_job[jid].append(sum(series.values()))
-    return {jid: {"min": min(v), "mean": round(sum(v) / len(v), 1), "max": max(v)} for jid, v in by_job.items()}
+parallelism_run = job_history.parallelism_run  # moved to controlplane.jobs.history (the API's History too)

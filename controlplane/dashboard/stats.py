@@ -9,6 +9,7 @@ from django.core.cache import cache
 from django.db import connection
 from django.db.models import Avg, Count
 
+from controlplane.jobs.history import stored_mean_reward
 from controlplane.jobs.models import JobMetricSample, Rollout
 from workers.diagnosis.evidence import build_evidence
 from workers.engine.aggregate import quantile
@@ -194,14 +195,7 @@ def reward_metrics(job) -> dict:
     return {"source": "live", "items": items, "sample": live["sample"], **metric_tables(items)}
 
 
-def mean_reward(job) -> float | None:
-    am = job.aggregate_metrics or {}
-    for key in ("mean/reward", "reward/mean", "mean_reward"):
-        if isinstance(am.get(key), (int, float)):
-            return float(am[key])
-    if isinstance(am.get("reward"), dict) and isinstance(am["reward"].get("mean"), (int, float)):
-        return float(am["reward"]["mean"])
-    return None
+mean_reward = stored_mean_reward  # one reading of a job's stored mean reward (controlplane.jobs.history)
 
 
 FAILURES_CACHE_S = 10

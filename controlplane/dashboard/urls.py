@@ -11,6 +11,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/actions/<str:action>/", views.job_action, name="job_action"),
     path("jobs/<int:job_id>/rollouts/", views.rollouts, name="rollouts"),
     path("rollouts/<int:rollout_id>/", views.rollout_detail, name="rollout"),
+    path("traces/<str:trace>/", views.rollout_by_trace, name="rollout_by_trace"),
     path("datasets/", views.datasets, name="datasets"),
     path("datasets/upload/", views.dataset_upload, name="dataset_upload"),
     path("datasets/<int:dataset_id>/", views.dataset_detail, name="dataset"),
@@ -18,6 +19,7 @@ urlpatterns = [
     path("endpoints/<int:endpoint_id>/health/", views.endpoint_health, name="endpoint_health"),
     path("endpoints/<int:endpoint_id>/", endpoint_admin.endpoint_detail, name="endpoint"),
     path("endpoints/<int:endpoint_id>/admin/<str:kind>/", endpoint_admin.endpoint_admin_action, name="endpoint_admin"),
+    path("sweeps/<int:sweep_id>/cancel/", endpoint_admin.sweep_cancel, name="sweep_cancel"),
     path("compare/", views.compare, name="compare"),
     path("history/", views.history, name="history"),
 ]

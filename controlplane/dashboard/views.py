@@ -2,9 +2,7 @@
 services for anything that changes state, and render templates."""
 from __future__ import annotations
 
-import csv
 import json
-from datetime import timedelta
 
 from django.contrib import messages
 from django.core.exceptions import ValidationError
@@ -14,15 +12,19 @@ from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
-from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from controlplane import lanes
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
 from controlplane.datasets.services import DatasetValidationError, dataset_agents, ingest_jsonl, preview_rows
+from controlplane.jobs import history as job_history
 from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
+from workers.nemo_gym.trajectory import trajectory
 
 from . import compare as compare_mod
-from . import heartbeat, live, panels, stats
+from controlplane import panels
+
+from . import heartbeat, live, stats
 from .excerpts import attach_excerpts
 from .forms import DatasetUploadForm, EndpointForm, LaunchJobForm, RolloutFilterForm
 from .pagination import keyset_page
@@ -34,8 +36,8 @@ def _wants_json(request) -> bool:
     return request.headers.get("x-requested-with") == "XMLHttpRequest" or "application/json" in request.headers.get("accept", "")
 
 
-def _job_row(job) -> dict:
-    snap = live.job_snapshot(job)
+def _job_row(job, user) -> dict:
+    snap = live.job_snapshot(job, user=user)
     return {"job": job, "snapshot": snap}
 
 
@@ -52,12 +54,13 @@ def _overview_jobs(user):
 def overview(request):
     active, recent = _overview_jobs(request.user)
     ctx = {
-        "active": [_job_row(j) for j in active],
-        "recent": [_job_row(j) for j in recent],
+        "active": [_job_row(j, request.user) for j in active],
+        "recent": [_job_row(j, request.user) for j in recent],
         "endpoints": list(visible_endpoints(request.user)[:50]),
         "workers": list(heartbeat.alive_workers()),
         "alive_after_s": heartbeat.ALIVE_AFTER_S,
         "active_ids": [j.pk for j in active],
+        "control_lane": lanes.control_served(),
     }
     return render(request, "dashboard/overview.html", ctx)
 
@@ -67,13 +70,14 @@ def overview(request):
 def overview_state(request):
     active, recent = _overview_jobs(request.user)
     return JsonResponse({
-        "jobs": [live.job_snapshot(j) for j in active + recent],
+        "jobs": [live.job_snapshot(j, user=request.user) for j in active + recent],
         "active_ids": [j.pk for j in active],
         "workers": [
             {"name": w.name, "host": w.host, "cpu_percent": w.cpu_percent, "memory_percent": w.memory_percent,
              "gpus": w.gpus, "last_seen": w.last_seen.isoformat()}
             for w in heartbeat.alive_workers()
         ],
+        "control_lane": lanes.control_served(),
     })
 
 
@@ -86,7 +90,7 @@ def _get_job(request, job_id):
 @require_GET
 def job_detail(request, job_id):
     job = _get_job(request, job_id)
-    snapshot = live.job_snapshot(job)
+    snapshot = live.job_snapshot(job, user=request.user)
     series = live.metric_series(job)
     ctx = {
         "job": job,
@@ -109,7 +113,7 @@ def job_detail(request, job_id):
 def job_state(request, job_id):
     """Current state for a (re)connecting page: the progress snapshot and, with ?series=1, the charts."""
     job = _get_job(request, job_id)
-    out = {"snapshot": live.job_snapshot(job)}
+    out = {"snapshot": live.job_snapshot(job, user=request.user)}
     if request.GET.get("series"):
         out["series"] = live.metric_series(job)
     return JsonResponse(out)
@@ -145,13 +149,6 @@ def job_action(request, job_id, action):
 PREVIEW_ROW_CHARS = 4000
 LIST_FIELDS = ["id", "job_id", "task_index", "rollout_index", "status", "failure_class", "reward", "wall_ms",
                "ttft_ms", "output_tokens", "attempts", "created_at"]
-
-
-def csv_cell(text: str) -> str:
-    """A user-written cell a spreadsheet must not run as a formula: a leading = + - @ (or tab, CR) gets a
-    leading apostrophe (the OWASP practice)."""
-    text = str(text)
-    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def _int_or_none(v, lo=None, hi=None):
@@ -192,6 +189,21 @@ def rollouts(request, job_id):
         "filtered": form.is_filtered() if request.GET else False,
     }
     return render(request, "dashboard/rollouts.html", ctx)
+
+
+@login_required
+@require_GET
+def rollout_by_trace(request, trace):
+    """A trace id (or a whole `traceparent`) from a tracing backend: the rollout's page, in whichever job the
+    user can see (the partial index rollout_trace_id)."""
+    parts = trace.strip().lower().split("-")
+    trace_id = parts[1] if len(parts) == 4 else parts[0]
+    if len(trace_id) != 32 or any(c not in "0123456789abcdef" for c in trace_id):
+        raise Http404("not a trace id")
+    r = Rollout.objects.filter(trace_id=trace_id, job__in=visible_jobs(request.user)).only("id").first()
+    if r is None:
+        raise Http404("no rollout with this trace id")
+    return redirect("dashboard:rollout", rollout_id=r.pk)
 
 
 @login_required
@@ -242,6 +254,7 @@ def rollout_detail(request, rollout_id):
         "verifier_fields": [(k, v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, ensure_ascii=False))
                             for k, v in sorted(verifier_fields.items())],
         "response_status": response.get("status"),
+        "trajectory": trajectory(data),
         "raw": json.dumps(data, indent=2, ensure_ascii=False),
         "timings": [(f, getattr(r, f)) for f in stats.TIMING_FIELDS],
         "prev_id": prev_id,
@@ -251,10 +264,15 @@ def rollout_detail(request, rollout_id):
 
 
 # --- Datasets ---------------------------------------------------------------------------------
+def _dataset_list(user) -> list:
+    """The newest 200 datasets, without their validation reports (up to a thousand bad lines each)."""
+    return list(visible_datasets(user).defer("validation_report")[:200])
+
+
 @login_required
 def datasets(request):
     return render(request, "dashboard/datasets.html", {
-        "datasets": list(visible_datasets(request.user)[:200]),
+        "datasets": _dataset_list(request.user),
         "form": DatasetUploadForm(), "verifier_names": _verifier_names(),
     })
 
@@ -273,7 +291,7 @@ def dataset_upload(request):
         if _wants_json(request):
             message = "; ".join(f"{field}: {' '.join(errs)}" for field, errs in form.errors.items())
             return JsonResponse({"ok": False, "message": f"invalid form: {message}", "errors": form.errors}, status=400)
-        return render(request, "dashboard/datasets.html", {"datasets": list(visible_datasets(request.user)[:200]), "form": form,
+        return render(request, "dashboard/datasets.html", {"datasets": _dataset_list(request.user), "form": form,
                                                            "verifier_names": _verifier_names()}, status=400)
     f = form.cleaned_data["file"]
     name = form.cleaned_data.get("name") or f.name.rsplit(".", 1)[0]
@@ -288,7 +306,7 @@ def dataset_upload(request):
         if _wants_json(request):
             return JsonResponse(payload, status=400)
         return render(request, "dashboard/datasets.html", {
-            "datasets": list(visible_datasets(request.user)[:200]), "form": form, "upload_error": payload,
+            "datasets": _dataset_list(request.user), "form": form, "upload_error": payload,
             "verifier_names": _verifier_names()}, status=400)
     url = reverse("dashboard:dataset", args=[ds.pk])
     if _wants_json(request):
@@ -320,10 +338,12 @@ def dataset_detail(request, dataset_id):
         form = LaunchJobForm(endpoints=endpoints, initial={"endpoint": endpoints.first()})
     preview = preview_rows(ds, 10)
     for p in preview:
-        text = json.dumps(p["data"], ensure_ascii=False, indent=1)
-        if len(text) > PREVIEW_ROW_CHARS:  # a multi-megabyte row would make the page unusable
-            text = (text[:PREVIEW_ROW_CHARS] + f"\n… {len(text) - PREVIEW_ROW_CHARS:,} more characters "
-                    "(the whole row is in the export and the API)")
+        # a multi-megabyte row would make the page unusable (and a big one is read as an excerpt only)
+        text = p["excerpt"] if p.get("truncated") else json.dumps(p["data"], ensure_ascii=False, indent=1)
+        size = p.get("size_chars", len(text))
+        if p.get("truncated") or len(text) > PREVIEW_ROW_CHARS:
+            text = (text[:PREVIEW_ROW_CHARS] + f"\n… {size - min(len(text), PREVIEW_ROW_CHARS):,} more characters "
+                    "(too long to show whole)")
         p["json"] = text
     report = ds.validation_report or {}
     return render(request, "dashboard/dataset_detail.html", {
@@ -388,61 +408,20 @@ def compare(request):
 
 
 # --- History ----------------------------------------------------------------------------------
-def _history_rows(user, days: int | None):
-    qs = visible_jobs(user).select_related("dataset", "endpoint").exclude(started_at=None)
-    if days:
-        qs = qs.filter(created_at__gte=timezone.now() - timedelta(days=days))
-    jobs = list(qs.order_by("created_at")[:2000])
-    missing = [j.pk for j in jobs if stats.mean_reward(j) is None]
-    live_means = {}
-    if missing:
-        from django.db.models import Avg
-
-        live_means = dict(Rollout.objects.filter(job_id__in=missing, status=Rollout.Status.OK)
-                          .values("job_id").annotate(m=Avg("reward")).values_list("job_id", "m"))
-    ran = live.parallelism_run(j.pk for j in jobs)
-    rows = []
-    for j in jobs:
-        el = live.elapsed_s(j)
-        rm = stats.mean_reward(j)
-        rows.append({
-            "job": j,
-            "date": j.started_at,
-            "rollouts": j.done_count,
-            "elapsed_s": el,
-            "samples_per_s": (j.done_count / el) if el else None,
-            "mean_reward": rm if rm is not None else live_means.get(j.pk),
-            "parallelism": ran.get(j.pk),  # what it actually ran at (min / mean / max)
-        })
-    return rows
-
-
 @login_required
 @require_GET
 def history(request):
     days = _int_or_none(request.GET.get("days"), lo=0, hi=36500)  # timedelta overflows near 10**9 days
-    rows = _history_rows(request.user, days)
+    rows = job_history.history_rows(visible_jobs(request.user), days)
     if request.GET.get("format") == "csv":
         resp = HttpResponse(content_type="text/csv")
         resp["Content-Disposition"] = 'attachment; filename="throughput_log.csv"'
-        w = csv.writer(resp)
-        w.writerow(["date", "job_id", "name", "state", "dataset", "model", "num_samples_in_parallel", "rollouts",
-                    "elapsed_sec", "samples_per_sec", "avg_reward", "parallelism_run_mean", "parallelism_run_min",
-                    "parallelism_run_max"])
-        for r in rows:
-            j = r["job"]
-            w.writerow([r["date"].isoformat(), j.pk, csv_cell(j.name), j.state, csv_cell(j.dataset.name),
-                        csv_cell(j.endpoint.model_name),
-                        j.num_samples_in_parallel, r["rollouts"],
-                        f"{r['elapsed_s']:.3f}" if r["elapsed_s"] is not None else "",
-                        f"{r['samples_per_s']:.4f}" if r["samples_per_s"] is not None else "",
-                        f"{r['mean_reward']:.4f}" if r["mean_reward"] is not None else "",
-                        *((r["parallelism"]["mean"], r["parallelism"]["min"], r["parallelism"]["max"])
-                          if r["parallelism"] else ("", "", ""))])
+        job_history.write_csv(rows, resp)
         return resp
     chart = {
         "t": [int(r["date"].timestamp()) for r in rows],
         "samples_per_s": [r["samples_per_s"] for r in rows],
+        "tokens_per_s": [r["tokens_per_s"] for r in rows],
         "mean_reward": [r["mean_reward"] for r in rows],
         "labels": [f"job {r['job'].pk}" for r in rows],
     }

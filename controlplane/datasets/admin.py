@@ -10,7 +10,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 import json
 
-from .models import Dataset, DatasetRow
+from .models import DESCRIPTION_MAX_CHARS, Dataset, DatasetRow
 from .services import DatasetValidationError, ingest_jsonl, preview_rows
 
 PREVIEW_ROWS = 20
@@ -20,7 +20,8 @@ PREVIEW_CHARS = 600
 class DatasetUploadForm(forms.Form):
     file = forms.FileField(help_text="NeMo Gym JSONL: one JSON object per line with responses_create_params")
     name = forms.CharField(max_length=200, required=False, help_text="Default: the file name")
-    description = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
+    description = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False,
+                                  max_length=DESCRIPTION_MAX_CHARS)
     accept_partial = forms.BooleanField(required=False, help_text="Keep the good rows when some lines are bad "
                                                                    "(otherwise a file with bad lines is rejected whole)")
 
@@ -72,8 +73,8 @@ class DatasetAdmin(admin.ModelAdmin):
             return "-"
         items = []
         for r in rows:
-            text = json.dumps(r["data"], ensure_ascii=False)
-            if len(text) > PREVIEW_CHARS:
+            text = r["excerpt"] if r.get("truncated") else json.dumps(r["data"], ensure_ascii=False)
+            if r.get("truncated") or len(text) > PREVIEW_CHARS:
                 text = text[:PREVIEW_CHARS] + "…"
             items.append((r["index"], r["line_number"], text))
         rows_url = reverse("admin:datasets_datasetrow_changelist") + f"?dataset__id__exact={obj.pk}"

@@ -3,6 +3,9 @@ from django.conf import settings
 from django.db import models
 
 
+DESCRIPTION_MAX_CHARS = 2000
+
+
 class Dataset(models.Model):
     class Status(models.TextChoices):
         VALIDATING = "validating"
@@ -11,7 +14,7 @@ class Dataset(models.Model):
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="datasets")
     name = models.CharField(max_length=200)
-    description = models.TextField(blank=True)
+    description = models.CharField(max_length=DESCRIPTION_MAX_CHARS, blank=True)
     source_filename = models.CharField(max_length=500, blank=True)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.VALIDATING)
     row_count = models.PositiveIntegerField(default=0)

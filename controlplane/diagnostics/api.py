@@ -6,19 +6,25 @@
     POST /api/sweeps/                {"endpoint": id, "dataset": id | "job": id, "sample_size", "start_parallelism",
                                       "max_parallelism", "levels"} -> 201, runs in a Celery worker
     GET  /api/sweeps/<id>/           one sweep with its curve
+    POST /api/sweeps/<id>/cancel/    cancel a queued or running sweep (409 once it has ended)
+
+Sweeps are under the jobs' caps and per-user quotas (services.create_sweep).
 """
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import transaction
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound
+
+from controlplane.rest.exceptions import Conflict
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_datasets, visible_endpoints, visible_jobs, visible_sweeps
-from controlplane.api.conventions import ApiMixin
+from controlplane.rest.conventions import ApiMixin
 
 from . import services
 from .tasks import run_sweep_task
@@ -54,6 +60,7 @@ class SweepCreateSerializer(serializers.Serializer):
     dataset = serializers.IntegerField(min_value=1, max_value=2**62, required=False)
     job = serializers.IntegerField(min_value=1, max_value=2**62, required=False)
     sample_size = serializers.IntegerField(min_value=1, max_value=10000, default=64)
+    # JOBS_MAX_PARALLELISM bounds every level (services.sweep_errors); these bounds are the schema's
     start_parallelism = serializers.IntegerField(min_value=1, max_value=16384, default=1)
     max_parallelism = serializers.IntegerField(min_value=1, max_value=16384, default=512)
     levels = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=16384), required=False,
@@ -116,6 +123,8 @@ class SweepListView(_Base):
                                           sample_size=data["sample_size"], levels=data["levels"],
                                           start_parallelism=data["start_parallelism"],
                                           max_parallelism=data["max_parallelism"])
+        except DjangoValidationError as e:
+            raise serializers.ValidationError(e.message_dict if hasattr(e, "error_dict") else {"detail": e.messages})
         except ValueError as e:
             raise serializers.ValidationError({"detail": str(e)})
         transaction.on_commit(lambda: run_sweep_task.delay(sweep.pk))
@@ -130,4 +139,19 @@ class SweepDetailView(_Base):
         sweep = visible_sweeps(request.user).filter(pk=int(sweep_id)).first()
         if sweep is None:
             raise NotFound("No ParallelismSweep matches the given query.")
+        return Response(services.sweep_payload(sweep))
+
+
+class SweepCancelView(_Base):
+    @extend_schema(summary="Cancel a queued or running parallelism sweep (a running one stops within seconds)",
+                   request=None,
+                   responses={200: SweepSerializer, 401: OpenApiResponse(description="Not authenticated"),
+                              404: OpenApiResponse(description="Not found (or another user's sweep)"),
+                              409: OpenApiResponse(description="The sweep has already ended")})
+    def post(self, request, sweep_id: str):
+        sweep = visible_sweeps(request.user).filter(pk=int(sweep_id)).first()
+        if sweep is None:
+            raise NotFound("No ParallelismSweep matches the given query.")
+        if not services.cancel_sweep(sweep):
+            raise Conflict(f"sweep {sweep.pk} is {sweep.state}: only a queued or running sweep can be cancelled")
         return Response(services.sweep_payload(sweep))

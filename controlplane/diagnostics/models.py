@@ -47,6 +47,11 @@ class ParallelismSweep(models.Model):
     def __str__(self):
         return f"sweep {self.pk} on {self.endpoint_id} [{self.state}] -> {self.recommended}"
 
+    @property
+    def peak_parallelism(self) -> int:
+        """The most requests it runs at once (what counts against the owner's parallelism quota)."""
+        return max([self.max_parallelism, *[int(x) for x in (self.levels or []) if isinstance(x, int)]])
+
     def as_result_dict(self) -> dict:
         """The shape of workers.sweep.SweepResult.to_dict(), for the classifier's evidence."""
         return {"points": self.points, "knee": self.knee, "recommended": self.recommended, "hint": self.hint,

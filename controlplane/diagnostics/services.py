@@ -14,16 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict
-from typing import Any
 
+from django.conf import settings
 from django.core.cache import cache
-from django.db import connection
+from django.core.exceptions import ValidationError
+from django.db import connection, transaction
 from django.db.models import Avg, Count, Q
 from django.utils import timezone
 
+from controlplane import limits
 from controlplane.datasets.services import iter_rows
 from controlplane.endpoints.services import endpoint_spec
+from controlplane.jobs import figures
 from controlplane.jobs.models import JobMetricSample, JobState, Rollout
+from controlplane.jobs.verifier_checks import bind_options, check_verifier
 from controlplane.profiling.services import profile_top
 from workers.diagnosis import Diagnosis, build_evidence, diagnose
 from workers.engine.types import TIMING_FIELDS, CollectionSpec
@@ -53,6 +57,7 @@ def job_config(job) -> dict:
         "max_num_seqs": getattr(ep, "max_num_seqs", None) or (getattr(ep, "last_health", None) or {}).get("max_num_seqs"),
         "max_model_len": getattr(ep, "max_model_len", None) or (getattr(ep, "last_health", None) or {}).get("max_model_len"),
         "replicas": len(ep.all_base_urls) if ep is not None else None,
+        "failure_reason": job.error_message if job.state == JobState.FAILED else "",
     }
 
 
@@ -76,6 +81,9 @@ def rollout_stats(job) -> dict:
         agg = recent.aggregate(**{f: Avg(f, filter=Q(status=Rollout.Status.OK)) for f in TIMING_FIELDS})
         for f in TIMING_FIELDS:
             out[f] = agg[f]
+    running_s = figures.running_seconds(job)
+    if running_s:
+        out["running_s"] = running_s  # the evidence's duration and throughput: the job's own figures
     out["failure_classes"] = dict(qs.filter(status=Rollout.Status.FAILED).values_list("failure_class")
                                   .annotate(c=Count("id")).order_by())
     return out
@@ -142,9 +150,23 @@ def diagnosis_payload(job, samples: int = MAX_SAMPLES, cache_s: float = 0.0) -> 
 
 
 # ------------------------------------------------------------------------------------------ sweeps
+def sweep_errors(*, sample_size, start_parallelism, max_parallelism, levels) -> dict[str, str]:
+    """The operator's bounds on a sweep: the job caps (JOBS_MAX_PARALLELISM for every level it runs)."""
+    errors = {}
+    if sample_size < 1 or max_parallelism < 1 or start_parallelism < 1:
+        errors["detail"] = "sample_size, start_parallelism and max_parallelism must be >= 1"
+    cap = settings.JOBS_MAX_PARALLELISM
+    if max(max_parallelism, start_parallelism, *(levels or [0])) > cap:
+        errors["max_parallelism"] = f"a sweep runs at most {cap} requests at once (JOBS_MAX_PARALLELISM)"
+    return errors
+
+
 def create_sweep(*, endpoint, dataset=None, job=None, owner=None, sample_size=64, levels=None, start_parallelism=1,
                  max_parallelism=512, verifier=None, verifier_options=None, verify_mode=None,
                  responses_create_params=None) -> ParallelismSweep:
+    """Store a queued sweep. Under the same caps and per-user quotas as jobs (it counts as an active job with
+    its peak parallelism, checked under the lock on the user's row): ValidationError otherwise; ValueError
+    without a dataset."""
     if job is not None:
         dataset = dataset or job.dataset
         verifier = verifier or job.verifier
@@ -153,25 +175,57 @@ def create_sweep(*, endpoint, dataset=None, job=None, owner=None, sample_size=64
         responses_create_params = responses_create_params if responses_create_params is not None else job.responses_create_params
     if dataset is None:
         raise ValueError("a sweep needs a dataset (or a job to take it from)")
-    if sample_size < 1 or max_parallelism < 1 or start_parallelism < 1:
-        raise ValueError("sample_size, start_parallelism and max_parallelism must be >= 1")
-    return ParallelismSweep.objects.create(
-        owner=owner, endpoint=endpoint, dataset=dataset, job=job, sample_size=sample_size, levels=list(levels or []),
-        start_parallelism=start_parallelism, max_parallelism=max_parallelism, verifier=verifier or "math",
-        verifier_options=verifier_options or {}, verify_mode=verify_mode or "inline",
+    if errors := sweep_errors(sample_size=sample_size, start_parallelism=start_parallelism,
+                              max_parallelism=max_parallelism, levels=levels):
+        raise ValidationError(errors)
+    # the same checks as a job's: URLs through the gate, secrets the owner may use (a job's own verifier was
+    # checked when it was created, an operator's dotted path included)
+    check_verifier(verifier or "math", verifier_options or {}, owner,
+                   operator=job is not None and (verifier or "math") == job.verifier)
+    sweep = ParallelismSweep(
+        owner=owner, endpoint=endpoint, dataset=dataset, job=job, sample_size=sample_size,
+        levels=list(levels or []), start_parallelism=start_parallelism, max_parallelism=max_parallelism,
+        verifier=verifier or "math", verifier_options=verifier_options or {}, verify_mode=verify_mode or "inline",
         responses_create_params=responses_create_params or {})
+    with transaction.atomic():
+        limits.lock_owner(owner)
+        if quota := limits.quota_errors(owner, sweep.peak_parallelism):
+            raise ValidationError({("max_parallelism" if k == "num_samples_in_parallel" else k): v
+                                   for k, v in quota.items()})
+        sweep.save()
+    return sweep
 
 
-def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
-    """Run a stored sweep to its end (in this thread), saving each point as it comes."""
-    if sweep.state not in (ParallelismSweep.State.QUEUED, ParallelismSweep.State.FAILED):
+def cancel_sweep(sweep: ParallelismSweep) -> bool:
+    """Cancel a queued or running sweep: a queued one never starts, a running one stops at its next check
+    (about a second; the points so far are kept). False when it had already ended."""
+    done = ParallelismSweep.objects.filter(
+        pk=sweep.pk, state__in=[ParallelismSweep.State.QUEUED, ParallelismSweep.State.RUNNING]).update(
+        state=ParallelismSweep.State.CANCELLED, finished_at=timezone.now(), stopped_reason="cancelled")
+    sweep.refresh_from_db()
+    return bool(done)
+
+
+class SweepDeadline(Exception):
+    pass
+
+
+def run_sweep(sweep: ParallelismSweep, deadline_s: float | None = None) -> ParallelismSweep:
+    """Run a stored sweep to its end (in this thread), saving each point as it comes; stopped at its total
+    deadline (DIAGNOSTICS_SWEEP_DEADLINE_S) and marked failed with that reason."""
+    deadline_s = settings.DIAGNOSTICS_SWEEP_DEADLINE_S if deadline_s is None else deadline_s
+    claimed = ParallelismSweep.objects.filter(  # atomically: a cancel before the start wins
+        pk=sweep.pk, state__in=[ParallelismSweep.State.QUEUED, ParallelismSweep.State.FAILED]).update(
+        state=ParallelismSweep.State.RUNNING, started_at=timezone.now(), points=[], error_message="")
+    sweep.refresh_from_db()
+    if not claimed:
         return sweep
-    sweep.mark(ParallelismSweep.State.RUNNING, points=[], error_message="")
     try:
         rows = [row for _, row in iter_rows(sweep.dataset, 0, sweep.sample_size)]
         spec = CollectionSpec(endpoint=endpoint_spec(sweep.endpoint), parallelism=1,
                               responses_create_params=dict(sweep.responses_create_params or {}),
-                              verifier=sweep.verifier, verifier_options=dict(sweep.verifier_options or {}),
+                              verifier=sweep.verifier,
+                              verifier_options=bind_options(sweep.verifier, sweep.verifier_options, sweep.owner),
                               verify_mode=sweep.verify_mode)
         points: list[dict] = []
 
@@ -194,14 +248,25 @@ def run_sweep(sweep: ParallelismSweep) -> ParallelismSweep:
             return in_thread(lambda: ParallelismSweep.objects.filter(
                 pk=sweep.pk, state=ParallelismSweep.State.CANCELLED).exists())
 
-        result = asyncio.run(engine_sweep(spec, rows, levels=sweep.levels or None, start=sweep.start_parallelism,
-                                          max_parallelism=sweep.max_parallelism, on_point=on_point,
-                                          should_stop=should_stop))
+        async def bounded():
+            try:
+                return await asyncio.wait_for(
+                    engine_sweep(spec, rows, levels=sweep.levels or None, start=sweep.start_parallelism,
+                                 max_parallelism=sweep.max_parallelism, on_point=on_point, should_stop=should_stop),
+                    deadline_s)
+            except asyncio.TimeoutError:
+                raise SweepDeadline(f"stopped at its total deadline of {deadline_s:g} s "
+                                    f"(DIAGNOSTICS_SWEEP_DEADLINE_S) with {len(points)} level(s) measured") from None
+
+        result = asyncio.run(bounded())
         sweep.refresh_from_db(fields=["state"])
         final = ParallelismSweep.State.CANCELLED if sweep.state == ParallelismSweep.State.CANCELLED else ParallelismSweep.State.COMPLETED
         sweep.mark(final, points=result.to_dict()["points"], knee=result.knee, recommended=result.recommended,
                    best_rollouts_per_s=result.best_rollouts_per_s, speedup=result.speedup, hint=result.hint,
                    interpretation=result.interpretation, stopped_reason=result.stopped_reason[:300])
+    except SweepDeadline as exc:
+        logger.warning("sweep %s: %s", sweep.pk, exc)
+        sweep.mark(ParallelismSweep.State.FAILED, error_message=str(exc), stopped_reason="deadline")
     except Exception as exc:
         logger.exception("sweep %s failed", sweep.pk)
         sweep.mark(ParallelismSweep.State.FAILED, error_message=f"{type(exc).__name__}: {exc}"[:5000])
@@ -217,3 +282,11 @@ def sweep_payload(sweep: ParallelismSweep) -> dict:
         "error": sweep.error_message, "created_at": sweep.created_at.isoformat() if sweep.created_at else None,
         "finished_at": sweep.finished_at.isoformat() if sweep.finished_at else None,
     }
+
+
+def active_sweeps_work(owner) -> tuple[int, int]:
+    """(how many, total parallelism) of the user's queued and running sweeps, for the quotas (limits.py):
+    a sweep's parallelism is the most it runs at once."""
+    sweeps = ParallelismSweep.objects.filter(owner=owner, state__in=[ParallelismSweep.State.QUEUED,
+                                                                     ParallelismSweep.State.RUNNING])
+    return sweeps.count(), sum(s.peak_parallelism for s in sweeps.only("max_parallelism", "levels"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -19,12 +20,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane import disclosure, lanes
+from controlplane.telemetry import record_admin_action
 from workers.admin import ops
 from workers.admin.client import OpResult, new_trace_id
 from workers.engine.aggregate import quantile
 
-from . import versions
-from .models import AdminAction, AdminOperation, Endpoint, WeightVersion
+from .sharing import SharedServerDenied, check_may_change  # noqa: F401 (SharedServerDenied: for callers)
+from .models import ADMIN_ACTION_CLAIM, AdminAction, AdminOperation, Endpoint, WeightVersion
 from .services import normalize_base_url, redact_text
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,39 @@ STATS_WINDOW = 2000  # the latest operations per kind that percentiles are taken
 MAX_PREWARM = 1024
 
 
+# What other apps do around a weight update (the jobs app: tagging its rollouts with the new version,
+# controlplane/jobs/versions.py), registered from their ready(): before(endpoint) -> a mark, taken before the
+# pause is sent; after(endpoint_id, mark), once the new version is recorded (on commit).
+UPDATE_HOOKS: list[tuple] = []
+
+
+def register_update_hook(before, after) -> None:
+    if (before, after) not in UPDATE_HOOKS:
+        UPDATE_HOOKS.append((before, after))
+
+
 class AdminOpError(ValueError):
     """The operation cannot be sent as asked (bad parameter, hosted API without admin routes)."""
+
+
+class StaleVersion(AdminOpError):
+    """A weight update names a version lower than the endpoint's current one, or than an update asked before it
+    (the API answers 409, code `stale_version`): versions never go backwards."""
+
+
+# A caller's trace id (X-Trace-Id, or the body's trace_id): hex digits and dashes (a uuid, a W3C trace id),
+# 8 to 64 characters; kept lower case, so the operation log's search by prefix finds it.
+TRACE_ID = re.compile(r"[0-9a-fA-F][0-9a-fA-F-]{7,63}")
+MAX_WAIT_S = 60.0  # ?wait=S on a POST: at most this long
+
+
+def check_trace_id(value) -> str | None:
+    """The caller's trace id, normalised, or None when none was given. Raises AdminOpError when malformed."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or not TRACE_ID.fullmatch(value.strip()):
+        raise AdminOpError("trace id must be 8 to 64 hex digits or dashes (a uuid, a W3C trace id)")
+    return value.strip().lower()
 
 
 def queue_alert_ms() -> float:
@@ -109,7 +143,8 @@ def check_operation(endpoint, kind: str, *, mode: str | None = None, level: int 
 
 
 def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
-                  count: int | None = None, user=None, source: str = "api", trace_id: str | None = None) -> dict:
+                  count: int | None = None, user=None, source: str = "api", trace_id: str | None = None,
+                  deadline_s: float | None = None) -> dict:
     """health | prewarm (count) | reset_prefix_cache | pause (mode) | resume | sleep (level) | wake_up on
     every replica, here and now (a worker's or a command's process, never the web's: see `submit`).
     Returns {"trace_id", "kind", "ok", "operations": [...], "unanswered": [urls]}."""
@@ -125,7 +160,7 @@ def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | 
                                    flavor=endpoint.api_flavor, trace_id=trace_id)
     else:
         fn = lambda c: ops.simple(c, urls, kind, trace_id=trace_id)  # noqa: E731
-    results = ops.run(fn, **_client_kw(endpoint))
+    results = ops.run(fn, deadline_s=deadline_s, **_client_kw(endpoint))
     _record(endpoint, results, params=params, source=source, user=user)
     out = {"trace_id": trace_id, "kind": kind, "params": params, "ok": all(r.ok for r in results),
            "operations": [_op_dict(r, endpoint.api_key) for r in results],
@@ -148,6 +183,32 @@ def _next_version(endpoint) -> int:
     return max(nums, default=0) + 1
 
 
+def _num(v) -> int | None:
+    return int(v) if str(v).isdigit() else None
+
+
+def version_floor(endpoint, *, before_action: int | None = None) -> int | None:
+    """The highest numeric version an update may not go below: the current one, and (at submit) those of the
+    updates asked before and not finished yet (they run first, in order)."""
+    nums = [n for n in (_num(v) for v in WeightVersion.objects.filter(endpoint=endpoint)
+                        .values_list("version", flat=True)[:50]) if n is not None]
+    pending = AdminAction.objects.filter(endpoint=endpoint, kind="update_weights",
+                                         state__in=[AdminAction.State.QUEUED, AdminAction.State.RUNNING])
+    if before_action is not None:
+        pending = pending.filter(pk__lt=before_action)
+    nums += [n for n in (_num((p or {}).get("version")) for p in pending.values_list("params", flat=True))
+             if n is not None]
+    return max(nums, default=None)
+
+
+def check_not_stale(endpoint, version, *, before_action: int | None = None) -> None:
+    floor = version_floor(endpoint, before_action=before_action)
+    if version is not None and floor is not None and int(version) < floor:
+        raise StaleVersion(f"stale version {version}: the endpoint is at (or an update asked before this one goes "
+                           f"to) version {floor}, and versions never go backwards; post a version >= {floor}, or "
+                           f"none for the next one")
+
+
 def check_update(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
                  pause_mode: str = "keep", server: str | None = None) -> dict:
     """Validate a weight update before it is queued; returns its params. Raises AdminOpError."""
@@ -167,7 +228,7 @@ def check_update(endpoint, *, path: str = "", checkpoint_id: str = "", version: 
 
 def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
                    pause_mode: str = "keep", server: str | None = None, user=None, source: str = "api",
-                   trace_id: str | None = None) -> dict:
+                   trace_id: str | None = None, deadline_s: float | None = None) -> dict:
     """pause(keep) -> update -> resume on every replica (resume always sent), here and now (a worker's or a
     command's process: see `submit`). When every replica took the new weights, records the new
     `WeightVersion` (given, or the last + 1). Returns the report with the version, failed / unanswered /
@@ -180,13 +241,14 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
     previous = current_version(endpoint)
     new_version = version if version is not None else _next_version(endpoint)
     trace_id = trace_id or new_trace_id()
+    marks = [(after, before(endpoint)) for before, after in UPDATE_HOOKS]  # e.g. the newest rollout id
 
     async def go(client):
         kind = server or await ops.detect_server(client, urls[0])
         return kind, await ops.update_weights(client, urls, server=kind, path=path, checkpoint_id=checkpoint_id,
                                               version=new_version, trace_id=trace_id, pause_mode=pause_mode)
 
-    server_kind, report = ops.run(go, **_client_kw(endpoint))
+    server_kind, report = ops.run(go, deadline_s=deadline_s, **_client_kw(endpoint))
     params = {"path": path, "checkpoint_id": checkpoint_id, "version": str(new_version), "pause_mode": pause_mode,
               "server": server_kind}
     updates = [s for s in report.steps if s.kind == "update_weights"]
@@ -203,7 +265,8 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
                 checkpoint_id=checkpoint_id[:300], trace_id=trace_id,
                 started_at=datetime.fromtimestamp(started, dt_tz.utc), applied_at=timezone.now())
             endpoint_id = endpoint.pk
-            transaction.on_commit(lambda: versions.backfill(endpoint_id))  # rows stored before the history existed
+            for after, mark in marks:
+                transaction.on_commit(lambda after=after, mark=mark: after(endpoint_id, mark))
     return {"trace_id": trace_id, "ok": report.ok, "applied": applied, "server": server_kind,
             "version": str(new_version) if wv else previous, "previous_version": previous,
             "requested_version": str(new_version), "failed_replicas": report.failed_replicas,
@@ -219,13 +282,19 @@ class QueueUnavailable(RuntimeError):
 def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> AdminAction:
     """Validate an action (AdminOpError on bad input), store it as a queued `AdminAction` and hand it to a
     Celery worker, which calls the model servers; the report lands on the row. The web process never
-    calls a model server (a user-registered URL), and never waits on one."""
+    calls a model server (a user-registered URL), and never waits on one. An operation that changes a server
+    another user's record points at raises SharedServerDenied (sharing.py; the API answers 403)."""
+    check_may_change(user, endpoint, kind)
+    trace_id = check_trace_id(raw.pop("trace_id", None)) or new_trace_id()
     if kind == "update_weights":
         params = check_update(endpoint, **raw)
+        check_not_stale(endpoint, params["version"])
     else:
         params = check_operation(endpoint, kind, **raw)
-    action = AdminAction.objects.create(endpoint=endpoint, trace_id=new_trace_id(), kind=kind, params=params,
+    action = AdminAction.objects.create(endpoint=endpoint, trace_id=trace_id, kind=kind, params=params,
                                         source=source[:20], requested_by=user if getattr(user, "pk", None) else None)
+    logger.info("admin action %s (%s) on endpoint %s asked by %s, trace %s", action.pk, kind, endpoint.pk,
+                getattr(user, "username", None) or source, trace_id)
     try:  # by name: the task module imports this one
         current_app.tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
     except Exception as exc:  # noqa: BLE001 - kombu / redis errors: nothing was sent
@@ -276,8 +345,11 @@ def action_ok(kind: str, result: dict | None) -> bool:
 def execute(action_id: int) -> str | None:
     """Run a queued action (in a worker). Claimed atomically, so a redelivered task does not run it twice.
     Returns its final state, or None when there was nothing to run."""
-    claimed = AdminAction.objects.filter(pk=action_id, state=AdminAction.State.QUEUED).update(
-        state=AdminAction.State.RUNNING, started_at=timezone.now())
+    _wait_for_earlier_updates(action_id)
+    now = timezone.now()
+    asked = AdminAction.objects.filter(pk=action_id).values_list("created_at", flat=True).first()
+    claimed = ADMIN_ACTION_CLAIM.claim(action_id, now=now, started_at=now,
+                                       dispatch_ms=_ms(asked, now) if asked else None)
     if not claimed:
         # Delivered again while marked running: the worker that ran it was lost (a live run finishes within
         # the task's time limit, well before the broker's visibility timeout redelivers it). Not re-sent:
@@ -287,24 +359,88 @@ def execute(action_id: int) -> str | None:
             error="the worker running this action was lost; check the replicas (they may still be paused)")
         return None
     action = AdminAction.objects.select_related("endpoint", "requested_by").get(pk=action_id)
-    p, kw = action.params, {"user": action.requested_by, "source": action.source, "trace_id": action.trace_id}
+    p, kw = action.params, {"user": action.requested_by, "source": action.source, "trace_id": action.trace_id,
+                            "deadline_s": settings.ADMIN_ACTION_DEADLINE_S}  # Celery's limits: not under threads
     result, error = None, ""
     try:
+        # checked again here: another user may have registered the same server since it was queued
+        check_may_change(action.requested_by, action.endpoint, action.kind)
+        logger.info("admin action %s (%s) on endpoint %s started after %.0f ms, trace %s", action_id, action.kind,
+                    action.endpoint_id, _ms(action.created_at, action.started_at), action.trace_id)
         if action.kind == "update_weights":
+            check_not_stale(action.endpoint, p.get("version"), before_action=action_id)  # asked before: versions never go backwards
             result = update_weights(action.endpoint, path=p.get("path", ""), checkpoint_id=p.get("checkpoint_id", ""),
                                     version=p.get("version"), pause_mode=p.get("pause_mode", "keep"),
                                     server=p.get("server"), **kw)
         else:
             result = run_operation(action.endpoint, action.kind, mode=p.get("mode"), level=p.get("level"),
                                    count=p.get("count"), **kw)
-    except AdminOpError as exc:  # the endpoint changed since it was queued (e.g. now a hosted API)
+    except (AdminOpError, SharedServerDenied) as exc:  # the endpoint changed since it was queued
         error = str(exc)
+    except TimeoutError as exc:  # ops.run's total deadline: the replicas were told to resume
+        error = f"{action.kind} {exc} (ADMIN_ACTION_DEADLINE_S); check the replicas"
     except Exception as exc:  # noqa: BLE001 - recorded on the row; the worker lives on
         error = f"{type(exc).__name__}: {exc}"
     state = AdminAction.State.SUCCEEDED if action_ok(action.kind, result) else AdminAction.State.FAILED
+    finished = timezone.now()
+    total_ms = _ms(action.created_at, finished)
     AdminAction.objects.filter(pk=action_id).update(state=state, result=result, error=error[:2000],
-                                                    finished_at=timezone.now())
+                                                    finished_at=finished, total_ms=total_ms)
+    record_admin_action(action.kind, action.dispatch_ms, total_ms)
+    slow = total_ms > queue_alert_ms()
+    if slow:
+        from controlplane import notices
+
+        notices.emit("control.slow", endpoint_id=action.endpoint_id, owner_id=action.endpoint.owner_id,
+                     requested_by_id=action.requested_by_id,
+                     action_id=action_id, action_kind=action.kind, state=str(state), dispatch_ms=action.dispatch_ms,
+                     total_ms=total_ms, threshold_ms=queue_alert_ms(), trace_id=action.trace_id)
+    log = logger.warning if slow else logger.info
+    log("admin action %s (%s) on endpoint %s %s: dispatch %.0f ms, total %.0f ms, trace %s", action_id, action.kind,
+        action.endpoint_id, state, action.dispatch_ms or 0.0, total_ms, action.trace_id)
     return state
+
+
+def _ms(start, end) -> float:
+    return round((end - start).total_seconds() * 1000.0, 3)
+
+
+ORDER_POLL_S = 0.02
+ORDER_RETRY_S = 0.05  # a worker's update waiting for an earlier one is sent again this much later
+
+
+def waits_for_earlier_update(action_id: int) -> bool:
+    """Weight updates of one endpoint run one at a time, in the order they were asked for: whether this one (a
+    queued weight update) must wait because an update of the same endpoint asked before it is queued or running.
+    The earliest unfinished one never waits, so the line always moves. An update asked longer than
+    ADMIN_ACTION_DEADLINE_S ago waits no more (an earlier one that never ran was lost); its version is still
+    checked (never backwards)."""
+    row = AdminAction.objects.filter(pk=action_id).values("endpoint_id", "kind", "state", "created_at").first()
+    if not row or row["kind"] != "update_weights" or row["state"] != AdminAction.State.QUEUED:
+        return False
+    if (timezone.now() - row["created_at"]).total_seconds() > settings.ADMIN_ACTION_DEADLINE_S:
+        return False
+    return AdminAction.objects.filter(endpoint_id=row["endpoint_id"], kind="update_weights", pk__lt=action_id,
+                                      state__in=[AdminAction.State.QUEUED, AdminAction.State.RUNNING]).exists()
+
+
+def _wait_for_earlier_updates(action_id: int) -> None:
+    """In-process callers (eager tasks, commands): wait here. The Celery task does not hold a control slot while
+    it waits: it sends itself again (tasks.run_admin_action_task)."""
+    deadline = time.monotonic() + settings.ADMIN_ACTION_DEADLINE_S
+    while waits_for_earlier_update(action_id) and time.monotonic() < deadline:
+        time.sleep(ORDER_POLL_S)
+
+
+def wait_finished(action: AdminAction, timeout_s: float) -> AdminAction:
+    """The action once finished, or as it is after `timeout_s` (?wait=S on a POST: the trainer's blocking call)."""
+    deadline = time.monotonic() + max(0.0, min(float(timeout_s), MAX_WAIT_S))
+    delay = 0.01
+    while action.state not in AdminAction.FINISHED and time.monotonic() < deadline:
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 1.5, 0.1)
+        action.refresh_from_db()
+    return action
 
 
 def action_summary(action: AdminAction, user=None) -> str:
@@ -312,11 +448,14 @@ def action_summary(action: AdminAction, user=None) -> str:
     `user` may read them, when given)."""
     out = (result_for(user, action.result) if user else action.result) or {}
     if action.state == AdminAction.State.QUEUED:
+        lane = lanes.control_served()
+        if lane["served"] is False:
+            return f"{action.kind}: queued; " + lanes.NOT_SERVED.format(queue=lane["queue"])
         return f"{action.kind}: queued"
     if action.state == AdminAction.State.RUNNING:
         return f"{action.kind}: running"
     if action.error:
-        return f"{action.kind}: {action.error}"
+        return f"{action.kind}: {error_for(user, action.error) if user else action.error}"
     if action.kind == "update_weights":
         if action.state == AdminAction.State.SUCCEEDED:
             return f"weights updated to version {out.get('version')}"
@@ -365,7 +504,31 @@ def timing_stats(endpoint) -> list[dict]:
         stats["alerts"] = sum(q > threshold for q in queued)
         stats["worst_queue_ms"] = max(queued, default=None)
         out.append(stats)
+    by_kind = {s["kind"]: s for s in out}
+    for kind in KINDS:  # what the caller waited: asked -> started (dispatch) and asked -> finished (total)
+        rows = list(AdminAction.objects.filter(endpoint=endpoint, kind=kind).exclude(total_ms=None)
+                    .values_list("dispatch_ms", "total_ms")[:STATS_WINDOW])
+        if not rows:
+            continue
+        stats = by_kind.get(kind)
+        if stats is None:
+            stats = by_kind[kind] = {"kind": kind, "n": 0, "threshold_ms": threshold, "alerts": 0,
+                                     "worst_queue_ms": None}
+            out.append(stats)
+        stats["actions"] = len(rows)
+        for i, name in enumerate(("dispatch_ms", "total_ms")):
+            vals = sorted(r[i] for r in rows if r[i] is not None)
+            for q in (0.5, 0.95, 0.99):
+                stats[f"{name}_p{int(q * 100)}"] = _p(vals, q)
+        totals = [r[1] for r in rows]
+        stats["total_alerts"] = sum(t > threshold for t in totals)  # the threshold applies to what callers wait
+        stats["worst_total_ms"] = max(totals)
     return out
+
+
+def slow_actions(endpoint, *, limit: int = 20):
+    """The latest actions whose total (asked -> finished) passed the alert threshold."""
+    return AdminAction.objects.filter(endpoint=endpoint, total_ms__gt=queue_alert_ms())[:limit]
 
 
 def queue_alerts(endpoint, *, limit: int = 20):
@@ -373,26 +536,17 @@ def queue_alerts(endpoint, *, limit: int = 20):
     return AdminOperation.objects.filter(endpoint=endpoint, queue_ms__gt=queue_alert_ms())[:limit]
 
 
-_STATUS_THEN_BODY = re.compile(r"^(HTTP [0-9]{3})\b")
-
-
 def error_for(user, text: str) -> str:
     """What `user` may read of a replica's error: staff see it all (at most 300 characters of the server's
-    own message, secrets redacted); anyone else the HTTP status only, never the server's body (issue 12:
-    a user-registered URL must not become a way to read other servers' pages). Our own messages (no answer
-    within N s, connection refused) are shown to everyone."""
-    if not text or getattr(user, "is_staff", False):
-        return text
-    m = _STATUS_THEN_BODY.match(text)
-    return m.group(1) if m else text
+    own message, secrets redacted); anyone else the HTTP status and the product's words only, never the
+    server's body or banner (controlplane.disclosure: a user-registered URL must not become a way to read
+    other servers' pages)."""
+    return disclosure.error_for(user, text)
 
 
 def result_for(user, result: dict | None) -> dict | None:
     """An action's report with each request's error as `user` may read it."""
-    if not result or getattr(user, "is_staff", False):
-        return result
-    return {**result, "operations": [{**o, "error": error_for(user, o.get("error", ""))}
-                                     for o in result.get("operations", [])]}
+    return disclosure.shown_for(user, result)
 
 
 def operation_dict(op: AdminOperation, user=None) -> dict:

@@ -13,26 +13,25 @@ Operations run in a Celery worker, never in the web process: a POST validates th
                                                    failed) and, once finished, its report
     GET  /api/endpoints/<id>/admin/operations/     the operation log (?trace_id=prefix, ?kind=, ?limit=)
     GET  /api/endpoints/<id>/admin/stats/          p50/p95/p99 of queue/rpc/wall per kind, alert threshold
-    GET  /api/jobs/<id>/weight-versions/           rollouts per weight version and their version lag
 """
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import serializers, status
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
-from controlplane.access import visible_endpoints, visible_jobs
-from controlplane.api.conventions import READ_ERRORS, ApiMixin, errors, query_params
-from controlplane.api.parsers import JSONParser
-from controlplane.api.serializers import NO_NUL, StrictJSONTypes
+from controlplane.access import visible_endpoints
+from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.rest.parsers import JSONParser
+from controlplane.rest.fields import NO_NUL, StrictJSONTypes
 
 from workers.admin.ops import PAUSE_MODES, SERVER_KINDS
 
-from . import admin_ops, versions
+from . import admin_ops
 from .models import AdminAction, AdminOperation
 
 OBJECT = {"type": "object", "additionalProperties": {}}
@@ -62,7 +61,7 @@ class AdminActionSerializer(serializers.ModelSerializer):
     class Meta:
         model = AdminAction
         fields = ["id", "url", "endpoint", "trace_id", "kind", "state", "params", "result", "error", "summary",
-                  "source", "created_at", "started_at", "finished_at"]
+                  "source", "created_at", "started_at", "finished_at", "dispatch_ms", "total_ms"]
         read_only_fields = fields
 
     def get_url(self, action) -> str:
@@ -81,6 +80,11 @@ class AdminActionSerializer(serializers.ModelSerializer):
     def get_result(self, action):
         return admin_ops.result_for(self._user(), action.result)
 
+    def to_representation(self, action):
+        data = super().to_representation(action)
+        data["error"] = admin_ops.error_for(self._user(), data.get("error") or "")
+        return data
+
     def get_summary(self, action) -> str:
         return admin_ops.action_summary(action, self._user())
 
@@ -90,16 +94,49 @@ def _accepted(request, action) -> Response:
     return Response(body, status=status.HTTP_202_ACCEPTED, headers={"Location": body["url"]})
 
 
-def _submit(request, ep, kind, **params):
+class WaitQuerySerializer(serializers.Serializer):
+    wait = serializers.FloatField(min_value=0, max_value=admin_ops.MAX_WAIT_S, required=False,
+                                  help_text="answer when the action ends (200), or after this many seconds (202)")
+
+
+def _submit(request, ep, kind, trace_id=None, **params):
+    q = query_params(WaitQuerySerializer, request)
+    header = request.headers.get("X-Trace-Id")  # the trainer's own trace id, sent on to the servers
+    if header is not None:
+        if not admin_ops.TRACE_ID.fullmatch(header):  # a header sent blank or malformed is an error, not "none"
+            raise ValidationError({"X-Trace-Id": ["must be 8 to 64 hex digits or dashes (a uuid, a W3C trace id)"]})
+        trace_id = header
     try:
-        return _accepted(request, admin_ops.submit(ep, kind, user=request.user, source="api", **params))
+        action = admin_ops.submit(ep, kind, user=request.user, source="api", trace_id=trace_id, **params)
+    except admin_ops.StaleVersion as e:
+        return Response({"detail": str(e), "code": "stale_version"}, status=status.HTTP_409_CONFLICT)
     except admin_ops.AdminOpError as e:
         raise ValidationError({"detail": str(e)}) from None
+    except admin_ops.SharedServerDenied as e:
+        raise PermissionDenied(str(e)) from None
     except admin_ops.QueueUnavailable as e:
         return Response({"detail": str(e), "code": "unavailable"}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+    if q.get("wait"):
+        action = admin_ops.wait_finished(action, q["wait"])
+        if action.state in AdminAction.FINISHED:
+            body = AdminActionSerializer(action, context={"request": request}).data
+            return Response(body, status=status.HTTP_200_OK, headers={"Location": body["url"]})
+    return _accepted(request, action)
 
 
-ACTION_RESPONSES = {202: AdminActionSerializer, **errors(400, *READ_ERRORS, 503)}
+# What admin_ops.check_trace_id accepts, stated in the schema so that a client (and the schema fuzzer) knows.
+TRACE_ID_PATTERN = r"^" + admin_ops.TRACE_ID.pattern + r"$"
+
+
+# 403: the operation changes a server another user's endpoint record points at (sharing.py); 409 (code
+# stale_version): a weight update below the current version; 200: finished within ?wait=S.
+ACTION_RESPONSES = {200: AdminActionSerializer, 202: AdminActionSerializer, **errors(400, 403, 409, *READ_ERRORS, 503)}
+TRACE_PARAMETERS = [
+    OpenApiParameter("X-Trace-Id", str, OpenApiParameter.HEADER, required=False, pattern=TRACE_ID_PATTERN,
+                     description="your trace id (8-64 hex digits or dashes): stored on the action, sent to the model "
+                                 "servers in X-Trace-Id and logged"),
+    WaitQuerySerializer,
+]
 
 
 class WeightUpdateSerializer(StrictJSONTypes, serializers.Serializer):
@@ -114,6 +151,9 @@ class WeightUpdateSerializer(StrictJSONTypes, serializers.Serializer):
     pause_mode = serializers.ChoiceField(choices=PAUSE_MODES, default="keep")
     server = serializers.ChoiceField(choices=SERVER_KINDS, required=False, allow_null=True, default=None,
                                      help_text="how to send the update (default: detected from /version)")
+    trace_id = serializers.RegexField(TRACE_ID_PATTERN, max_length=64, required=False,
+                                      help_text="your trace id, 8-64 hex digits or dashes (or the X-Trace-Id "
+                                                "header, which wins)")
 
     def validate(self, data):
         if "path" not in data and "checkpoint_id" not in data:
@@ -124,14 +164,14 @@ class WeightUpdateSerializer(StrictJSONTypes, serializers.Serializer):
 class WeightUpdateView(_Base):
     @extend_schema(summary="Update the weights on every replica: pause(keep) -> update -> resume (always), in a "
                            "worker; poll the action's URL for the report",
-                   request=WeightUpdateSerializer, responses=ACTION_RESPONSES)
+                   request=WeightUpdateSerializer, responses=ACTION_RESPONSES, parameters=TRACE_PARAMETERS)
     def post(self, request, id: str):
         ep = self.endpoint(request, id)
         ser = WeightUpdateSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
         d = ser.validated_data
         return _submit(request, ep, "update_weights", path=d.get("path", ""), checkpoint_id=d.get("checkpoint_id", ""),
-                       version=d["version"], pause_mode=d["pause_mode"], server=d["server"])
+                       version=d["version"], pause_mode=d["pause_mode"], server=d["server"], trace_id=d.get("trace_id"))
 
 
 class OperationRequestSerializer(StrictJSONTypes, serializers.Serializer):
@@ -144,7 +184,8 @@ class OperationRequestSerializer(StrictJSONTypes, serializers.Serializer):
 class OperationView(_Base):
     @extend_schema(summary="Run an admin operation on every replica, in a worker (health, prewarm, "
                            "reset_prefix_cache, pause, resume, sleep, wake_up); poll the action's URL for the report",
-                   parameters=[OpenApiParameter("kind", str, OpenApiParameter.PATH, enum=list(admin_ops.SIMPLE_KINDS))],
+                   parameters=[OpenApiParameter("kind", str, OpenApiParameter.PATH, enum=list(admin_ops.SIMPLE_KINDS)),
+                               *TRACE_PARAMETERS],
                    request=OperationRequestSerializer, responses=ACTION_RESPONSES)
     def post(self, request, id: str, kind: str):
         ep = self.endpoint(request, id)
@@ -218,14 +259,6 @@ class OperationStatsView(_Base):
         return Response({"endpoint": ep.pk, "queue_alert_ms": admin_ops.queue_alert_ms(),
                          "current_weight_version": admin_ops.current_version(ep),
                          "stats": admin_ops.timing_stats(ep),
+                         "slow_actions": [AdminActionSerializer(a, context={"request": request}).data
+                                          for a in admin_ops.slow_actions(ep, limit=10)],
                          "alerts": [admin_ops.operation_dict(o, request.user) for o in admin_ops.queue_alerts(ep)]})
-
-
-class JobWeightVersionsView(ApiMixin, APIView):
-    @extend_schema(summary="A job's rollouts per weight version, and their version lag (staleness)",
-                   responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
-    def get(self, request, job_id: str):
-        job = visible_jobs(request.user).filter(pk=int(job_id)).first()
-        if job is None:
-            raise NotFound("No CollectionJob matches the given query.")
-        return Response({"job": job.pk, **versions.job_versions(job)})

@@ -1,9 +1,12 @@
 """Model endpoints: vLLM or any OpenAI-compatible server, with one or several replicas."""
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import RegexValidator
+from django.core.validators import MaxLengthValidator, RegexValidator
 from django.db import models
 
+from controlplane import operator as knobs
+from controlplane.fieldcrypt import EncryptedTextField
+from controlplane.leases import Lease
 from controlplane.limits import endpoint_errors
 
 
@@ -31,9 +34,11 @@ class Endpoint(models.Model):
     worker_queue = models.CharField(
         max_length=200, blank=True, validators=[RegexValidator(r"^[A-Za-z0-9_.:@-]+$", "letters, digits and _ . : @ - only")],
         help_text="Celery queue whose workers run this endpoint's chunks (start them with `-Q <queue>`, e.g. on "
-                  "the GPU host); empty: JOBS_ENDPOINT_QUEUES, else the default queue")
+                  "the GPU host): one of the operator's JOBS_WORKER_QUEUES; empty: JOBS_ENDPOINT_QUEUES, else the "
+                  "default queue")
     api_flavor = models.CharField(max_length=30, choices=Flavor.choices, default=Flavor.CHAT)
-    api_key = models.CharField(max_length=500, blank=True)  # write-only everywhere it is exposed
+    # write-only everywhere it is exposed; encrypted at rest (controlplane/fieldcrypt.py), plain text in Python
+    api_key = EncryptedTextField(blank=True, validators=[MaxLengthValidator(500)])
     request_timeout_s = models.FloatField(default=600.0)
     connect_timeout_s = models.FloatField(default=10.0)
     max_retries = models.PositiveIntegerField(default=5, help_text="Retries per request before the row is recorded as failed")
@@ -53,6 +58,8 @@ class Endpoint(models.Model):
     def clean(self):
         errors = endpoint_errors({f: getattr(self, f) for f in ("base_url", "replica_urls", "request_timeout_s",
                                                                  "connect_timeout_s", "max_retries")})
+        if why := knobs.queue_problem(self.worker_queue):  # the operator's queues only
+            errors.setdefault("worker_queue", []).append(why)
         if errors:
             raise ValidationError(errors)
 
@@ -142,15 +149,24 @@ class AdminAction(models.Model):
     source = models.CharField(max_length=20, blank=True, help_text="dashboard, api, command")
     requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                      related_name="+")
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True, help_text="when it was asked for")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # What the caller waits (controlplane/lanes.py): asked -> a worker started it, asked -> it ended.
+    dispatch_ms = models.FloatField(null=True, blank=True, help_text="asked -> started (waiting for a worker)")
+    total_ms = models.FloatField(null=True, blank=True, help_text="asked -> finished (what the caller waited)")
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["endpoint", "kind", "state"], name="adminaction_ep_kind_state")]
 
     def __str__(self):
         return f"{self.kind} on endpoint {self.endpoint_id}: {self.state} ({self.trace_id})"
+
+
+# claimed once by a worker (admin_ops.execute): no holder or heartbeat; a redelivered message finds it running
+ADMIN_ACTION_CLAIM = Lease(AdminAction, waiting=AdminAction.State.QUEUED, running=AdminAction.State.RUNNING,
+                           owner=None, heartbeat=None, attempts=None)
 
 
 class WeightVersion(models.Model):

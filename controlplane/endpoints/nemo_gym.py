@@ -2,15 +2,19 @@
 
 The endpoint's model_name is the agent that rows without their own `agent_ref` go to. Health of a
 deployment = its head server answers and lists its servers, each of which answers; only names, kinds and
-addresses are kept (the deployment's config holds secrets such as policy_api_key: never stored)."""
+addresses are kept (the deployment's config holds secrets such as policy_api_key: never stored). Every server
+the head lists is probed through the outbound gate: a config cannot make a worker scan addresses the operator
+does not allow (they are reported "not called")."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import requests
 from django.utils import timezone
 
+from workers import outbound
 from workers.nemo_gym.deployment import DeploymentError, resolve_sync
+
+PROBE_MAX_BYTES = 256 * 1024  # FastAPI's /docs page is a few kB
 
 
 def _probe(url: str, timeout: float) -> dict:
@@ -18,11 +22,15 @@ def _probe(url: str, timeout: float) -> dict:
     /health route; FastAPI answers 404 for an unknown path)."""
     t0 = timezone.now()
     try:
-        resp = requests.get(f"{url}/docs", timeout=timeout)
+        resp = outbound.fetch_sync("GET", f"{url}/docs", timeout_s=timeout, max_bytes=PROBE_MAX_BYTES)
         ms = (timezone.now() - t0).total_seconds() * 1000.0
-        return {"url": url, "ok": resp.status_code < 500, "latency_ms": round(ms, 1), "health_status": resp.status_code}
-    except requests.RequestException as exc:
-        return {"url": url, "ok": False, "error": f"{type(exc).__name__}"}
+        return {"url": url, "ok": resp.status < 500, "latency_ms": round(ms, 1), "health_status": resp.status}
+    except outbound.ResponseTooLarge:  # it answered: up, whatever its page
+        return {"url": url, "ok": True, "latency_ms": round((timezone.now() - t0).total_seconds() * 1000.0, 1)}
+    except outbound.OutboundRefused as exc:
+        return {"url": url, "ok": False, "error": f"not called: {exc.reason}"}
+    except outbound.OutboundError as exc:
+        return {"url": url, "ok": False, "error": exc.reason}
 
 
 def discover(endpoint, timeout: float = 5.0) -> dict:
@@ -52,7 +60,8 @@ def check_nemo_gym_health(endpoint, *, timeout: float = 5.0, save: bool = True) 
             bad = [s for s in servers if not s["ok"]]
             missing = endpoint.model_name and endpoint.model_name not in result["agents"]
             result["ok"] = not bad and not missing
-            result["error"] = "; ".join([f"{s['name']} ({s['url']}) does not answer" for s in bad] +
+            result["error"] = "; ".join([f"{s['name']} ({s['url']}) " + (s["error"] if s["error"].startswith("not called")
+                                                                          else "does not answer") for s in bad] +
                                         ([f"no agent named {endpoint.model_name!r}"] if missing else []))
     else:
         probe = _probe(endpoint.base_url.rstrip("/"), timeout)

@@ -1,28 +1,26 @@
 """Endpoint domain logic: engine spec, health checks, pre-warm, redaction of the API key.
 
-Health and pre-warm are blocking (requests) with short timeouts: they run in Celery tasks
+Health and pre-warm are blocking (one event loop per call) with short timeouts: they run in Celery tasks
 (controlplane.endpoints.tasks; the web process only enqueues them) and management commands, never in
 the web process nor on the engine's event loop. They never raise on network errors; they return
 {"ok": False, "error": "..."} instead. The API key is sent as a bearer token and never appears in what
 these functions return (errors are scrubbed of it).
 
-They call only URLs the operator allows (controlplane.limits, checked again right before each call),
-never follow redirects, read at most PROBE_MAX_BYTES of an answer, and report status codes, never a
-response body (the body of an internal page must not reach the user).
+Every call goes through the outbound gate (workers.outbound.fetch_sync: the operator's allow-list, the
+resolved address checked and pinned, no redirects, at most PROBE_MAX_BYTES read, a total deadline), and they
+report status codes, never a response body (the body of an internal page must not reach the user).
 """
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import requests
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane.limits import url_problem
-
+from workers import outbound
+from workers.disclosure import with_detail
 from workers.engine.types import EndpointSpec
 
 HEALTH_TIMEOUT_S = 5.0
@@ -108,34 +106,29 @@ def _headers(endpoint) -> dict:
     return h
 
 
+def _get(url: str, headers: dict, timeout: float, connect_timeout: float) -> outbound.Reply:
+    return outbound.fetch_sync("GET", url, headers=headers, timeout_s=timeout, connect_timeout_s=connect_timeout,
+                               max_bytes=PROBE_MAX_BYTES)
+
+
+def _short_error(exc: outbound.OutboundError) -> str:
+    """The product's words for a failed call ("cannot connect: Connection refused", "not an HTTP answer")."""
+    return f"not called: {exc.reason}" if isinstance(exc, outbound.OutboundRefused) else exc.reason
+
+
 def served_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
     """The model ids a server lists at /v1/models. Raises ValueError with a short reason when it cannot say."""
     headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     try:
-        r = requests.get(normalize_base_url(base_url) + "/v1/models", headers=headers, timeout=(min(timeout, 5.0), timeout))
-    except requests.RequestException as exc:
-        raise ValueError(_short_error(exc)) from exc
-    if r.status_code != 200:
-        raise ValueError(f"/v1/models answered HTTP {r.status_code}")
+        r = _get(normalize_base_url(base_url) + "/v1/models", headers, timeout, min(timeout, 5.0))
+    except outbound.OutboundError as exc:
+        raise ValueError(_short_error(exc)) from None
+    if r.status != 200:
+        raise ValueError(f"/v1/models answered HTTP {r.status}")
     try:
         return [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except (ValueError, AttributeError) as exc:
         raise ValueError("/v1/models did not answer a model list") from exc
-
-
-def _short_error(exc: BaseException) -> str:
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return "connect timeout"
-    if isinstance(exc, requests.exceptions.ReadTimeout):
-        return "read timeout"
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        inner = str(exc)
-        if "Connection refused" in inner:
-            return "connection refused"
-        if "Name or service not known" in inner or "nodename nor servname" in inner or "Failed to resolve" in inner:
-            return "host name not found"
-        return "connection error: " + inner[:200]
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _check_one(endpoint, base: str, timeout: float) -> dict:
@@ -143,60 +136,54 @@ def _check_one(endpoint, base: str, timeout: float) -> dict:
     Hosted APIs (kind openai) have no /health: only /v1/models."""
     base = normalize_base_url(base)
     out: dict[str, Any] = {"url": base, "ok": False}
-    if why := url_problem(base):
-        out["error"] = f"not called: {why}"
-        return out
-    session = requests.Session()
     headers = _headers(endpoint)
+    connect = min(timeout, endpoint.connect_timeout_s)
     t0 = time.perf_counter()
     try:
         health_status = None
         if endpoint.kind != "openai":
-            r = session.get(base + "/health", headers=headers, allow_redirects=False,
-                            timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
-            health_status = r.status_code
-            out["health_status"] = r.status_code
-            if r.status_code >= 500:
-                out["error"] = f"/health answered HTTP {r.status_code}"
+            r = _get(base + "/health", headers, timeout, connect)
+            health_status = r.status
+            out["health_status"] = r.status
+            if r.status >= 500:
+                out["error"] = f"/health answered HTTP {r.status}"
                 return out
-        r = session.get(base + "/v1/models", headers=headers, allow_redirects=False, stream=True,
-                        timeout=(min(timeout, endpoint.connect_timeout_s), timeout))
-        out["models_status"] = r.status_code
-        out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
-        if r.status_code in (401, 403):
-            out["error"] = f"/v1/models answered HTTP {r.status_code}: the API key is missing or wrong"
+        try:
+            r = _get(base + "/v1/models", headers, timeout, connect)
+        except outbound.ResponseTooLarge:
+            out["error"] = f"/v1/models answered more than {PROBE_MAX_BYTES} bytes"
             return out
-        if r.status_code != 200:
+        out["models_status"] = r.status
+        out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        if r.status in (401, 403):
+            out["error"] = f"/v1/models answered HTTP {r.status}: the API key is missing or wrong"
+            return out
+        if r.status != 200:
             if health_status == 200:
-                out.update(ok=True, model_available=None, note=f"/v1/models answered HTTP {r.status_code}")
+                out.update(ok=True, model_available=None, note=f"/v1/models answered HTTP {r.status}")
             else:
-                out["error"] = f"/v1/models answered HTTP {r.status_code}"
+                out["error"] = f"/v1/models answered HTTP {r.status}"
             return out
         try:
-            raw = r.raw.read(PROBE_MAX_BYTES + 1, decode_content=True)
-            if len(raw) > PROBE_MAX_BYTES:
-                out["error"] = f"/v1/models answered more than {PROBE_MAX_BYTES} bytes"
-                return out
-            models = [m.get("id") for m in json.loads(raw).get("data", []) if isinstance(m, dict)]
+            models = [m.get("id") for m in r.json().get("data", []) if isinstance(m, dict)]
         except (ValueError, AttributeError):
             out["error"] = "/v1/models did not answer JSON"
             return out
         out["models"] = models[:20]
         out["model_available"] = endpoint.model_name in models
         if not out["model_available"]:
-            out["error"] = f"model {endpoint.model_name!r} is not served here (serves: {', '.join(map(str, models[:5])) or 'none'})"
+            out["error"] = with_detail(f"model {endpoint.model_name!r} is not served here",
+                                       f"serves: {', '.join(map(str, models[:5])) or 'none'}")
             return out
         out["ok"] = True
         return out
-    except requests.RequestException as exc:
+    except outbound.OutboundError as exc:
         out["error"] = _short_error(exc)
         out["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         return out
     except Exception as exc:  # never raise on a probe
-        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out["error"] = f"{type(exc).__name__}"
         return out
-    finally:
-        session.close()
 
 
 def check_health(endpoint, *, timeout: float = HEALTH_TIMEOUT_S, save: bool = True) -> dict:
@@ -243,15 +230,47 @@ def _tiny_request(endpoint) -> tuple[str, dict]:
                                     "max_tokens": 1, "temperature": 0}
 
 
-def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
+def _agent_run_request(endpoint, sample_row: dict | None, agents: list[str] | None) -> tuple[list[str], str, dict]:
+    """A NeMo Gym deployment: (its agents' base URLs, "/run", a body). The body is a real row of the job (the
+    agent's resources server verifies what it gets) with a short answer; the agents are the job's, found through
+    the head server."""
+    from workers.nemo_gym.deployment import DeploymentError, resolve_sync
+    from workers.nemo_gym.rows import agent_of, run_body
+
+    try:
+        deployment = resolve_sync(normalize_base_url(endpoint.base_url))
+    except DeploymentError as exc:
+        raise ValueError(str(exc)) from None
+    found = deployment.agents
+    names = [a for a in (agents or []) if a in found] or ([endpoint.model_name] if endpoint.model_name in found
+                                                          else sorted(found))
+    row = sample_row or {"responses_create_params": {"input": [{"role": "user", "content": "Hello"}]}}
+    body = run_body(row, agent_of(row, endpoint.model_name or None) or (names[0] if names else None),
+                    {"max_output_tokens": 16}, int(row.get("_ng_task_index", 0) or 0), 0)
+    return [found[a] for a in names], "/run", body
+
+
+def prewarm(endpoint, n: int = 4, *, timeout: float | None = None, sample_row: dict | None = None,
+            agents: list[str] | None = None) -> dict:
     """Send n tiny generation requests, spread over the replicas (concurrently), so the first real
-    rollouts do not pay for cold caches, lazy compilation or connection setup.
+    rollouts do not pay for cold caches, lazy compilation or connection setup. A NeMo Gym deployment is warmed
+    through its agents: `POST {agent}/run` with `sample_row` (a row of the job; `agents`: which agents, default
+    the endpoint's, else all), the path a rollout takes (agent, model server, model, resources server).
     Returns {"ok", "sent", "succeeded", "latencies_ms": [...], "errors": [...]}; never raises on
     network errors."""
-    path, body = _tiny_request(endpoint)
-    urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
-    refused = [f"{u}: not called: {why}" for u in urls if (why := url_problem(u))]
-    if refused:
+    if getattr(endpoint, "is_nemo_gym", False):
+        try:
+            urls, path, body = _agent_run_request(endpoint, sample_row, agents)
+        except ValueError as exc:
+            return {"ok": False, "sent": 0, "succeeded": 0, "latencies_ms": [], "errors": [str(exc)[:300]]}
+        if not urls:
+            return {"ok": False, "sent": 0, "succeeded": 0, "latencies_ms": [],
+                    "errors": [f"the deployment at {endpoint.base_url} has no agent"]}
+    else:
+        path, body = _tiny_request(endpoint)
+        urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
+    refused = [f"{u}: not called: {why}" for u in urls if (why := outbound.url_problem(u, resolve=False))]
+    if refused:  # the gate refuses each call too; this only spares n refusals of the same URL
         return {"ok": False, "sent": 0, "succeeded": 0, "latencies_ms": [], "errors": refused[:20]}
     timeout = timeout or min(endpoint.request_timeout_s, PREWARM_TIMEOUT_S)
     headers = {**_headers(endpoint), "Content-Type": "application/json"}
@@ -260,14 +279,14 @@ def prewarm(endpoint, n: int = 4, *, timeout: float | None = None) -> dict:
         url = urls[i % len(urls)] + path
         t0 = time.perf_counter()
         try:
-            with requests.post(url, json=body, headers=headers, allow_redirects=False, stream=True,
-                               timeout=(min(timeout, endpoint.connect_timeout_s), timeout)) as r:
-                ms = round((time.perf_counter() - t0) * 1000, 1)
-                if r.status_code != 200:  # the status only: the body may be an internal page's
-                    return None, f"{url}: HTTP {r.status_code}"
-                return ms, None
-        except requests.RequestException as exc:
+            r = outbound.fetch_sync("POST", url, json=body, headers=headers, timeout_s=timeout, max_bytes=PROBE_MAX_BYTES,
+                                    connect_timeout_s=min(timeout, endpoint.connect_timeout_s))
+        except outbound.OutboundError as exc:
             return None, f"{url}: {_short_error(exc)}"
+        ms = round((time.perf_counter() - t0) * 1000, 1)
+        if r.status != 200:  # the status only: the body may be an internal page's
+            return None, f"{url}: HTTP {r.status}"
+        return ms, None
 
     n = max(0, int(n))
     if n == 0:

@@ -1,4 +1,4 @@
-"""Mounted under /api/ (before the API's catch-all): admin operations (queued actions) and weight versions."""
+"""Mounted under /api/ (before the API's catch-all): admin operations (queued actions)."""
 from django.urls import re_path
 
 from . import api
@@ -14,5 +14,4 @@ urlpatterns = [
     re_path(rf"^endpoints/(?P<id>{ID})/admin/stats/$", api.OperationStatsView.as_view(), name="admin-stats"),
     re_path(rf"^endpoints/(?P<id>{ID})/admin/(?P<kind>[a-z_]{{1,40}})/$", api.OperationView.as_view(),
             name="admin-op"),
-    re_path(rf"^jobs/(?P<job_id>{ID})/weight-versions/$", api.JobWeightVersionsView.as_view(), name="job-weight-versions"),
 ]

@@ -3,6 +3,7 @@ services), chunks inline, and a rollout list that stays fast on millions of rows
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connection
 from django.utils.functional import cached_property
@@ -33,6 +34,8 @@ def _job_action(service, verb):
                 done += 1
             except InvalidTransition as exc:
                 modeladmin.message_user(request, f"Job {job.pk}: {exc}", messages.WARNING)
+            except ValidationError as exc:  # e.g. its endpoint's worker queue is a name the broker keeps
+                modeladmin.message_user(request, f"Job {job.pk}: {'; '.join(exc.messages)}", messages.WARNING)
         if done:
             modeladmin.message_user(request, f"{verb} {done} job{'s' if done != 1 else ''}.", messages.SUCCESS)
 

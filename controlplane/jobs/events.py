@@ -4,10 +4,12 @@ Group name: job_group(job_id) -> "job-<id>". Every message is a dict with "type"
 (the consumer's handler `job_progress`) and the fields of `progress_payload`:
     job_id, state, total, completed, failed, done, in_flight, parallelism,
     samples_per_s, output_tokens_per_s, eta_s (None when unknown), errors {class: count in the window},
-    t (unix seconds, float), stalled (bool), stall_reason (str: why, when stalled)
-One builder (`progress_payload`), fed by `live_figures`: the live numbers of every chunk of the job (on any
-worker) summed from their stored samples, so the live stream and a reload show the same job-wide figures.
-State changes publish the same message type with fresh counts.
+    t (unix seconds, float), stalled (bool), stall_reason (str: why, when stalled),
+    elapsed_s (running time, pauses excluded), avg_samples_per_s (rollouts stored / running time),
+    error_message (why it failed: the consumer shows each user what they may read of it)
+One builder (`progress_payload`), fed by `live_figures`: the job's rates from its stored rows (jobs.figures),
+in flight / parallelism from every chunk's latest sample, so the live stream and a reload show the same
+job-wide figures. State changes publish the same message type with fresh counts and figures.
 """
 import logging
 import time
@@ -16,6 +18,7 @@ from datetime import timedelta
 
 from django.utils import timezone
 
+from . import figures
 from .models import JobMetricSample
 
 logger = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ def job_group(job_id: int) -> str:
     return f"job-{job_id}"
 
 
-RATE_WINDOW_S = 10.0  # the job's rate: rollouts done over the last RATE_WINDOW_S, all chunks together
+RATE_WINDOW_S = figures.RATE_WINDOW_S  # the job's recent rate: rollouts stored over the last RATE_WINDOW_S
 LIVE_FRESH_S = 5.0  # a chunk's latest sample counts toward in-flight / parallelism while this fresh
 
 
@@ -45,53 +48,34 @@ class LiveFigures:
 
 
 def live_figures(job_id: int, now=None) -> LiveFigures:
-    """Aggregate the job's chunks from their stored metric samples (each chunk run writes its own series):
-    - rate: per series, finished rollouts between its last sample before the window (or its start) and its
-      latest sample, summed and divided by the window (shorter while the job is younger than it), so a
-      chunk that finished inside the window still counts for what it did there, and no more;
-    - in flight / parallelism: the sum of each series' latest sample when fresh and still holding slots.
-    Reads at most 2 x RATE_WINDOW_S of samples (bounded work for a job of any length)."""
+    """The job's live numbers: rates from its stored rows (figures.recent_rate: rollouts stored in the last
+    RATE_WINDOW_S over the running time in it, every chunk together); in flight / parallelism: the sum of each
+    chunk run's latest sample when fresh and still holding slots; errors by class over the window.
+    Reads at most RATE_WINDOW_S of samples (bounded work for a job of any length)."""
     now = now or timezone.now()
     since = now - timedelta(seconds=RATE_WINDOW_S)
-    rows = (JobMetricSample.objects.filter(job_id=job_id, t__gt=now - timedelta(seconds=2 * RATE_WINDOW_S), t__lte=now)
-            .order_by("t").values_list("worker", "t", "elapsed_s", "completed", "failed", "in_flight", "parallelism",
-                                       "output_tokens_per_s", "errors"))
-    series: dict[str, list] = {}
-    for row in rows:
-        series.setdefault(row[0], []).append(row)
+    rows = (JobMetricSample.objects.filter(job_id=job_id, t__gt=since, t__lte=now)
+            .order_by("t").values_list("worker", "t", "in_flight", "parallelism", "errors"))
+    latest: dict[str, tuple] = {}
     out = LiveFigures()
-    if not series:
-        return out
-    start = min((s[0][1] - timedelta(seconds=s[0][2] or 0.0) for s in series.values()), default=since)
-    span = max(0.5, min(RATE_WINDOW_S, (now - max(start, since)).total_seconds()))
-    ok = done = tokens = 0.0
-    for samples in series.values():
-        before = [r for r in samples if r[1] <= since]
-        inside = [r for r in samples if r[1] > since]
-        if not inside:
-            continue
-        base = before[-1] if before else None
-        last = inside[-1]
-        ok += last[3] - (base[3] if base else 0)
-        done += (last[3] + last[4]) - ((base[3] + base[4]) if base else 0)
-        for r in inside:
-            interval = (r[1] - (base or r)[1]).total_seconds() if base else 0.0
-            tokens += (r[7] or 0.0) * interval
-            for k, v in (r[8] or {}).items():
-                out.errors[k] = out.errors.get(k, 0) + int(v or 0)
-            base = r
-        if (now - last[1]).total_seconds() <= LIVE_FRESH_S and last[5] > 0:
-            out.in_flight += last[5]
-            out.parallelism += last[6]
+    for row in rows:
+        latest[row[0]] = row
+        for k, v in (row[4] or {}).items():
+            out.errors[k] = out.errors.get(k, 0) + int(v or 0)
+    for _, t, in_flight, parallelism, _ in latest.values():
+        if (now - t).total_seconds() <= LIVE_FRESH_S and in_flight > 0:
+            out.in_flight += in_flight
+            out.parallelism += parallelism
             out.chunks += 1
-    out.samples_per_s = max(0.0, ok) / span
-    out.done_per_s = max(0.0, done) / span
-    out.output_tokens_per_s = tokens / span
+    recent = figures.recent_rate(job_id, now)
+    out.samples_per_s = recent.ok_per_s
+    out.done_per_s = recent.done_per_s
+    out.output_tokens_per_s = recent.output_tokens_per_s
     return out
 
 
 def progress_payload(job, *, completed=None, failed=None, state=None, stalled=None, live: LiveFigures | None = None,
-                     parallelism=None, t=None) -> dict:
+                     parallelism=None, t=None, running_s=...) -> dict:
     """THE progress message (live stream and page reload alike). Counts default to the job row's; live
     numbers come from `live` (live_figures: every chunk of the job summed), none when the job is not
     running. Parallelism: what the running chunks use together, else the job's effective value (override
@@ -101,6 +85,7 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
     state = str(job.state if state is None else state)
     live = live if (live is not None and state == "running") else LiveFigures()
     total = job.total_rollouts
+    running_s = figures.running_seconds(job) if running_s is ... else running_s  # async callers pass theirs
     done = completed + failed
     remaining = max(total - done, 0)
     if remaining == 0 and total:
@@ -126,6 +111,9 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
         "t": time.time() if t is None else t,
         "stalled": bool(job.stalled if stalled is None else stalled),
         "stall_reason": (getattr(job, "stall_reason", "") or "") if (job.stalled if stalled is None else stalled) else "",
+        "elapsed_s": running_s,
+        "avg_samples_per_s": (done / running_s) if running_s else None,
+        "error_message": (getattr(job, "error_message", "") or "") if state == "failed" else "",
     }
 
 

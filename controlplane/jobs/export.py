@@ -8,6 +8,8 @@
   `<out>_aggregate_metrics.json` beside each other (NeMo Gym's names: `rollouts.jsonl` ->
   `rollouts_failures.jsonl`, `rollouts_aggregate_metrics.json`), each through a temporary file renamed
   into place, so a reader never sees a half-written file.
+- Curated exports (`curate`): a reward range, tasks whose rewards are all equal left out, a version-lag bound and
+  failure classes, all applied in the query (the stream of lines stays constant-memory).
 """
 from __future__ import annotations
 
@@ -31,42 +33,92 @@ def _dumps(row: dict) -> str:
     return json.dumps(row, ensure_ascii=False) + "\n"
 
 
-def iter_export_rows(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS) -> Iterator[dict]:
-    """The NeMo Gym output rows of the job (dicts), in (task_index, rollout_index) order."""
+def curate(qs, job, *, reward_min=None, reward_max=None, skip_equal=False, max_lag=None, failure_classes=None):
+    """`qs` (a job's rollouts) narrowed for a curated export: reward in [reward_min, reward_max] (rows without a
+    reward left out when a bound is given); skip_equal: leave out the tasks whose ok rollouts (two or more) all have
+    the same reward (no signal for a group-relative advantage); max_lag: leave out rows whose weight version is more
+    than max_lag versions behind the endpoint's current one, and rows marked stale (an untagged row is kept, as
+    the stream keeps it); failure_classes: failed rows only of these classes (ok rows are not affected)."""
+    from django.db.models import Count, F, Max, Min, Q
+
+    from .stream import current_version, lag_of
+
+    job_id = getattr(job, "pk", job)
+    if reward_min is not None:
+        qs = qs.filter(reward__gte=reward_min)
+    if reward_max is not None:
+        qs = qs.filter(reward__lte=reward_max)
+    if skip_equal:
+        equal = (Rollout.objects.filter(job_id=job_id, status=Rollout.Status.OK, reward__isnull=False)
+                 .values("task_index").annotate(n=Count("id"), lo=Min("reward"), hi=Max("reward"))
+                 .filter(n__gt=1, lo=F("hi")).values("task_index"))
+        qs = qs.exclude(task_index__in=equal)
+    if max_lag is not None:
+        endpoint_id = getattr(job, "endpoint_id", None)
+        if endpoint_id is None:
+            from .models import CollectionJob
+            endpoint_id = CollectionJob.objects.filter(pk=job_id).values_list("endpoint_id", flat=True).first()
+        current = current_version(endpoint_id)
+        versions = Rollout.objects.filter(job_id=job_id).values_list("weight_version", flat=True).distinct()
+        past = [v for v in versions if (lag := lag_of(v, current)) is not None and v and lag > max_lag]
+        qs = qs.exclude(weight_version__in=past).exclude(stale=True)
+    if failure_classes:
+        qs = qs.filter(Q(status=Rollout.Status.OK) | Q(failure_class__in=list(failure_classes)))
+    return qs
+
+
+def iter_export_rows(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS, error_view=None,
+                     filters: dict | None = None, exclude_worker: str | None = None) -> Iterator[dict]:
+    """The NeMo Gym output rows of the job (dicts), in (task_index, rollout_index) order. `error_view(text)`: a
+    failed row's error as the reader may see it (controlplane.disclosure.error_for; None: as stored). `filters`:
+    curate()'s keywords. `exclude_worker`: leave out the rows stored by that worker (the outfiles' rows imported
+    from a file)."""
     if which not in ("ok", "failed", "all"):
         raise ValueError("which must be 'ok', 'failed' or 'all'")
     qs = Rollout.objects.filter(job_id=getattr(job, "pk", job))
+    if exclude_worker is not None:
+        qs = qs.exclude(worker=exclude_worker)
     if which != "all":
         qs = qs.filter(status=Rollout.Status.OK if which == "ok" else Rollout.Status.FAILED)
+    if filters:
+        qs = curate(qs, job, **filters)
     qs = qs.order_by("task_index", "rollout_index").values_list(
         "task_index", "rollout_index", "status", "failure_class", "error", "data", "weight_version")
     for task_index, rollout_index, status, failure_class, error, data, wv in qs.iterator(chunk_size=chunk_size):
-        row = data if isinstance(data, dict) else {"data": data}
-        row.setdefault("_ng_task_index", task_index)
-        row.setdefault("_ng_rollout_index", rollout_index)
-        if wv:
-            row.setdefault("weight_version", wv)
-        if status == Rollout.Status.FAILED:
-            row["failure_class"] = failure_class
-            row["error"] = error
-        yield row
+        yield export_row(task_index, rollout_index, status, failure_class, error, data, wv, error_view)
 
 
-def iter_export_lines(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS) -> Iterator[str]:
-    """One JSONL line (ending in newline) per rollout; see the module docstring.
+def export_row(task_index, rollout_index, status, failure_class, error, data, weight_version, error_view=None) -> dict:
+    """One rollout as its NeMo Gym output row (what a line of the export holds)."""
+    row = dict(data) if isinstance(data, dict) else {"data": data}
+    row.setdefault("_ng_task_index", task_index)
+    row.setdefault("_ng_rollout_index", rollout_index)
+    if weight_version:
+        row.setdefault("weight_version", weight_version)
+    if status == Rollout.Status.FAILED:
+        row["failure_class"] = failure_class
+        row["error"] = error_view(error) if error_view is not None else error
+    return row
+
+
+def iter_export_lines(job, which: str = "ok", chunk_size: int = EXPORT_CHUNK_ROWS, error_view=None,
+                      filters: dict | None = None) -> Iterator[str]:
+    """One JSONL line (ending in newline) per rollout; see the module docstring. `filters`: curate()'s keywords.
 
     On PostgreSQL, successful rows are streamed as jsonb's own text (no decode/encode round trip in
     Python) whenever they already carry their `_ng_*` indices, as the engine's rows do."""
     if which == "ok" and connection.vendor == "postgresql":
-        yield from _iter_ok_lines_pg(job, chunk_size)
+        yield from _iter_ok_lines_pg(job, chunk_size, filters)
         return
-    for row in iter_export_rows(job, which, chunk_size):
+    for row in iter_export_rows(job, which, chunk_size, error_view, filters):
         yield _dumps(row)
 
 
-def _iter_ok_lines_pg(job, chunk_size: int) -> Iterator[str]:
-    qs = (Rollout.objects.filter(job_id=getattr(job, "pk", job), status=Rollout.Status.OK)
-          .order_by("task_index", "rollout_index")
+def _iter_ok_lines_pg(job, chunk_size: int, filters: dict | None = None) -> Iterator[str]:
+    qs = Rollout.objects.filter(job_id=getattr(job, "pk", job), status=Rollout.Status.OK)
+    if filters:
+        qs = curate(qs, job, **filters)
+    qs = (qs.order_by("task_index", "rollout_index")
           .annotate(text=Cast("data", output_field=TextField()))
           .values_list("task_index", "rollout_index", "text", "weight_version"))
     for task_index, rollout_index, text, wv in qs.iterator(chunk_size=chunk_size):
@@ -160,9 +212,15 @@ def write_export(job, path: str | os.PathLike, *, failures: bool = True, aggrega
         result["failed_rows"] = _write_atomic_lines(paths["failures"], iter_export_lines(job, "failed"))
         result["failures"] = str(paths["failures"])
     if aggregate_metrics:
-        metrics = dict(job.aggregate_metrics or {})
-        if "nemo_gym_agents" in metrics:  # a NeMo Gym agent job: the agents' own entries, NeMo Gym's shape
-            metrics = metrics["nemo_gym_agents"]
-        _write_atomic_lines(paths["aggregate_metrics"], iter([json.dumps(metrics, indent=2, sort_keys=True) + "\n"]))
-        result["aggregate_metrics"] = str(paths["aggregate_metrics"])
+        result["aggregate_metrics"] = write_aggregate_metrics(job, path)
     return result
+
+
+def write_aggregate_metrics(job, path: str | os.PathLike) -> str:
+    """`<out>_aggregate_metrics.json` beside the output path; returns its path."""
+    target = export_paths(path)["aggregate_metrics"]
+    metrics = dict(job.aggregate_metrics or {})
+    if "nemo_gym_agents" in metrics:  # a NeMo Gym agent job: the agents' own entries, NeMo Gym's shape
+        metrics = metrics["nemo_gym_agents"]
+    _write_atomic_lines(target, iter([json.dumps(metrics, indent=2, sort_keys=True) + "\n"]))
+    return str(target)

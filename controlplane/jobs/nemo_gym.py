@@ -7,8 +7,8 @@ import logging
 import os
 from pathlib import Path
 
-import requests
-
+from workers import outbound
+from workers.disclosure import with_detail
 from workers.nemo_gym.deployment import DeploymentError, resolve_sync
 from workers.nemo_gym.rows import AGENT_REF, aggregate_entry, agent_of, run_body
 
@@ -17,6 +17,11 @@ from .models import Rollout
 logger = logging.getLogger(__name__)
 AGENT_METRICS_KEY = "nemo_gym_agents"  # in job.aggregate_metrics: NeMo Gym's list, one entry per agent
 AGGREGATE_TIMEOUT_S = 120.0
+AGGREGATE_MAX_BYTES = 16 * 1024 * 1024
+
+
+def aggregation_disabled(job) -> bool:
+    return bool((job.collection_options or {}).get("disable_aggregation"))
 
 
 def agent_urls(endpoint) -> dict[str, str]:
@@ -50,23 +55,30 @@ def agent_aggregates(job) -> list[dict]:
             out.append({AGENT_REF: {"name": name}, "error": "the deployment no longer has this agent"})
             continue
         try:
-            resp = requests.post(f"{url}/aggregate_metrics", json={"verify_responses": entries},
-                                 timeout=(endpoint.connect_timeout_s, AGGREGATE_TIMEOUT_S))
-            if resp.status_code != 200:
-                raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            resp = outbound.fetch_sync("POST", f"{url}/aggregate_metrics", json={"verify_responses": entries},
+                                       timeout_s=AGGREGATE_TIMEOUT_S, connect_timeout_s=endpoint.connect_timeout_s,
+                                       max_bytes=AGGREGATE_MAX_BYTES)
+            if resp.status != 200:
+                raise outbound.OutboundError(f"HTTP {resp.status}", resp.body[:200].decode("utf-8", "replace"))
             body = resp.json()
             out.append({AGENT_REF: {"name": name}, "agent_metrics": body.get("agent_metrics", {}),
                         "key_metrics": body.get("key_metrics", {}),
                         "group_level_metrics": body.get("group_level_metrics", [])})
-        except (requests.RequestException, ValueError, AttributeError) as exc:
+        except outbound.OutboundError as exc:
             logger.warning("job %s: /aggregate_metrics of agent %s failed: %s", job.pk, name, exc)
-            out.append({AGENT_REF: {"name": name}, "error": f"{url}/aggregate_metrics: {type(exc).__name__}: {exc}"[:500]})
+            out.append({AGENT_REF: {"name": name}, "error": with_detail(f"{url}/aggregate_metrics: {exc.reason}",
+                                                                        exc.detail)[:500]})
+        except (ValueError, AttributeError) as exc:
+            out.append({AGENT_REF: {"name": name},
+                        "error": f"{url}/aggregate_metrics: bad answer ({type(exc).__name__})"})
     return out
 
 
 def with_agent_aggregates(job, aggregate_metrics: dict) -> dict:
-    """The product's aggregates plus, for a NeMo Gym job, the agents' own under `nemo_gym_agents`."""
-    if not getattr(job.endpoint, "is_nemo_gym", False):
+    """The product's aggregates plus, for a NeMo Gym job, the agents' own under `nemo_gym_agents`. A job run with
+    NeMo Gym's `+disable_aggregation=true` (collection_options["disable_aggregation"]) never calls the agents'
+    /aggregate_metrics: as in ng_collect_rollouts, the shards are aggregated afterwards (`gym eval aggregate`)."""
+    if not getattr(job.endpoint, "is_nemo_gym", False) or aggregation_disabled(job):
         return aggregate_metrics
     return {**aggregate_metrics, AGENT_METRICS_KEY: agent_aggregates(job)}
 
@@ -79,18 +91,22 @@ def materialized_path(output_path: str | os.PathLike) -> Path:
 def write_materialized_inputs(job, output_path, agent_name: str | None) -> Path:
     """`<out>_materialized_inputs.jsonl`: the body sent for each (task, repeat), in NeMo Gym's order."""
     from controlplane.datasets.services import iter_task_rows
-    from workers.engine.materialize import materialize_tasks, merge_overrides
+    from workers.engine.materialize import materialize_tasks, merge_overrides, row_repeats, with_seed
 
     path = materialized_path(output_path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     overrides = dict(job.responses_create_params or {})
     end = min(job.limit, job.dataset.row_count) if job.limit else None
     with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as f:
-        for item in materialize_tasks(iter_task_rows(job.dataset, 0, end), job.num_repeats):
+        options = job.collection_options or {}
+        for item in materialize_tasks(iter_task_rows(job.dataset, 0, end), row_repeats(job.num_repeats, options)):
             if job.endpoint.is_nemo_gym:
-                body = run_body(item.row, agent_name, overrides, item.task_index, item.rollout_index)
+                body = run_body(item.row, agent_name, overrides, item.task_index, item.rollout_index,
+                                add_seed=bool(options.get("add_seed")))
             else:
                 body = merge_overrides(item.row, overrides)
+                if options.get("add_seed"):
+                    body = with_seed(body, item.rollout_index)
                 body = {**body, "_ng_task_index": item.task_index, "_ng_rollout_index": item.rollout_index}
                 if agent_name:
                     body.setdefault(AGENT_REF, {"name": agent_name})

@@ -7,11 +7,11 @@ verification process pool; the engine runs in the task's own thread on its own e
     celery -A controlplane worker -P threads -c 4 -l info
     celery -A controlplane beat -l info          # schedules tasks.watchdog every ~10 s
 
-Lease protocol: a chunk is taken with one conditional UPDATE (pending, or running with a heartbeat
-older than JOBS_LEASE_TIMEOUT_S); the holder heartbeats on every batch flush, progress tick and
-control poll. A SIGKILLed worker stops heartbeating; the watchdog resets its chunk and dispatches it
-again; the new holder skips every (task, repeat) already stored, and the unique constraint makes any
-overlap harmless, so the job ends with exactly one row per pair.
+Lease protocol (controlplane.leases, models.CHUNK_LEASE): a chunk is taken with one conditional UPDATE
+(pending, or running with a heartbeat older than JOBS_LEASE_TIMEOUT_S); the holder heartbeats on every
+batch flush, progress tick and control poll. A SIGKILLed worker stops heartbeating; the watchdog resets its
+chunk and dispatches it again; the new holder skips every (task, repeat) already stored, and the unique
+constraint makes any overlap harmless, so the job ends with exactly one row per pair.
 """
 from __future__ import annotations
 
@@ -25,24 +25,27 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.endpoints.services import endpoint_spec
-from controlplane.monitoring.metrics import record_chunk_run, record_lease_taken
-from controlplane.profiling.services import profile_run
+from controlplane.leases import stale_before
+from controlplane.telemetry import record_chunk_run, record_lease_taken
 from workers.engine.loop import run as run_on_loop
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
 import workers.nemo_gym.engine  # noqa: F401  (registers the NeMo Gym rollout sources: agents' /run, remote /verify)
 from workers.instrument import Instrumentation, instrument_run
+from workers.tracing import TraceConfig
 
-from . import services
+from . import capacity, services
+from .extensions import wrap_run
 from .events import publish_job_state
-from .models import CollectionJob, InvalidTransition, JobChunk, JobState
+from .models import CHUNK_LEASE, CollectionJob, InvalidTransition, JobChunk, JobState
 from .sink import (
     ChunkTasks, DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
 )
+from .verifier_checks import bind_options
 from .verify_cache import verify_cache_spec
 
 logger = logging.getLogger(__name__)
@@ -54,24 +57,12 @@ def default_worker_name(kind="worker"):
     return f"{socket.gethostname()}:{os.getpid()}:{kind}:{threading.get_ident() % 100000}"
 
 
-def _stale_before(now=None):
-    return (now or timezone.now()) - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
-
-
 def acquire_lease(chunk_id, lease_owner, dispatched_at=None) -> bool:
-    """Take the chunk if it is pending or its holder stopped heartbeating. One UPDATE on the chunk's
-    own columns: PostgreSQL re-checks the condition under the row lock, so only one taker wins.
-    dispatched_at (when the message was sent) measures the lease lag (controlplane_chunk_lease_lag_seconds)."""
+    """Take the chunk if it is pending or its holder stopped heartbeating (CHUNK_LEASE.claim: one conditional
+    UPDATE, so only one taker wins). dispatched_at (when the message was sent) measures the lease lag
+    (controlplane_chunk_lease_lag_seconds)."""
     now = timezone.now()
-    stale = _stale_before(now)
-    taken = bool(
-        JobChunk.objects.filter(pk=chunk_id)
-        .filter(Q(state=JobChunk.State.PENDING)
-                | Q(state=JobChunk.State.RUNNING, heartbeat_at__lt=stale)
-                | Q(state=JobChunk.State.RUNNING, heartbeat_at__isnull=True))
-        .update(state=JobChunk.State.RUNNING, lease_owner=lease_owner, heartbeat_at=now, started_at=now,
-                finished_at=None, attempts=F("attempts") + 1)
-    )
+    taken = CHUNK_LEASE.claim(chunk_id, lease_owner, now=now, started_at=now, finished_at=None)
     if taken:
         record_lease_taken(dispatched_at, now)
     return taken
@@ -79,8 +70,7 @@ def acquire_lease(chunk_id, lease_owner, dispatched_at=None) -> bool:
 
 def release_lease(chunk_id, lease_owner) -> bool:
     """Give the chunk back (pending) so it can be run again (pause, cancel, failure)."""
-    return bool(JobChunk.objects.filter(pk=chunk_id, lease_owner=lease_owner, state=JobChunk.State.RUNNING)
-                .update(state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None))
+    return CHUNK_LEASE.release(chunk_id, lease_owner, lease_owner="", heartbeat_at=None)
 
 
 def build_spec(job, worker_name="") -> CollectionSpec:
@@ -89,12 +79,36 @@ def build_spec(job, worker_name="") -> CollectionSpec:
         parallelism=job.effective_parallelism,
         responses_create_params=dict(job.responses_create_params or {}),
         verifier=job.verifier,
-        verifier_options=dict(job.verifier_options or {}),
+        # secrets the options refer to (a judge's endpoint key) resolved now, in memory, with the owner's rights
+        verifier_options=(bind_options(job.verifier, job.verifier_options, job.owner)
+                          if job.verify_mode != "deferred" else dict(job.verifier_options or {})),
         verify_mode=job.verify_mode,
         worker_name=worker_name,
         verify_cache=job.verify_cache, verify_processes=settings.VERIFY_POOL_PROCESSES,
         verify_concurrency=settings.VERIFY_CONCURRENCY, **verify_cache_spec(job),
+        add_seed=bool((job.collection_options or {}).get("add_seed")),
+        tracing=trace_config(job),
     )
+
+
+def job_trace_key(job) -> str:
+    """The job's key for its span ids (workers.tracing.job_span_ids): the same in every worker."""
+    return f"{job.pk}:{job.created_at.isoformat() if job.created_at else ''}"
+
+
+def trace_config(job, chunk=None) -> TraceConfig | None:
+    """The run's OpenTelemetry set-up from the deployment's settings (TRACING_*), None when tracing is off."""
+    mode = getattr(settings, "TRACING_MODE", "off")
+    if mode not in ("spans", "otlp"):
+        return None
+    attributes = {"job.id": job.pk, "job.name": job.name, "endpoint.id": job.endpoint_id}
+    if chunk is not None:
+        attributes.update({"chunk.id": chunk.pk, "chunk.index": chunk.index, "chunk.start_row": chunk.start_row,
+                           "chunk.end_row": chunk.end_row})
+    config = TraceConfig(mode=mode, endpoint=settings.TRACING_OTLP_ENDPOINT, service_name=settings.TRACING_SERVICE_NAME,
+                         job_key=job_trace_key(job), attributes=attributes,
+                         sample_ratio=getattr(settings, "TRACING_SAMPLE_RATIO", 1.0))
+    return config if config.enabled else None
 
 
 
@@ -112,29 +126,34 @@ def instrumentation(job) -> Instrumentation:
 
 
 def _mark_running(job_id):
-    """Queued -> running. Returns the job, or None when it is not runnable (paused, cancelled ...)."""
+    """Queued -> running. Returns the job, or None when it is not runnable (paused, cancelled ...). The new state
+    is published by the run's sink as the engine starts (DbSink._ensure_started), not here: publishing from here
+    read the job's live figures and imported the channel layer before the run's first request."""
     with transaction.atomic():
         job = CollectionJob.objects.select_for_update().select_related("endpoint", "dataset").get(pk=job_id)
         if job.state not in JobState.RUNNABLE:
             return None
         job.mark_running()
-    publish_job_state(job)
     return job
 
 
-def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> str:
-    """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total."""
-    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch)
+def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None) -> str:
+    """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total.
+    on_stored(rows): see DbSink."""
+    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored)
     record_chunk_run(outcome)
     return outcome
 
 
-def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> str:
+def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None) -> str:
     """Run one chunk to its end. Returns the outcome:
     "done"        every pair of the chunk is stored (the job is finalized when it was the last chunk)
     "busy"        another live worker holds the lease (nothing done)
     "skipped"     the chunk is already done, or the job is not runnable (paused, cancelled, finished)
     "paused" / "cancelled"  the job was paused or cancelled mid-run; the chunk is pending again
+    "yielded" / "deadline"  handed back (pending, sent again) for another user's fair share, or at the run's total
+                  deadline (JOBS_CHUNK_DEADLINE_S) with rows stored; with none stored, the job is "failed"
+    "handed_back" the worker was asked to stop (SIGTERM): its rows are written, the chunk pending and sent again
     "failed"      the job was failed with a clear message (fatal engine error or an exception here)
     "lost_lease"  this worker stalled and another took the chunk over; it finishes the chunk
     "incomplete"  the run ended with pairs missing from the table; the chunk is pending again
@@ -161,18 +180,22 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
         try:
             tasks = ChunkTasks(job=job, chunk=chunk, db=db)
             sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
-                          on_progress=on_progress)
+                          on_progress=on_progress, on_stored=on_stored)
             spec = build_spec(job, worker_name)
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
-            control = DbControl(job=job, db=db, sink=sink, chunk=chunk, initial_parallelism=spec.parallelism)
-            summary = run_on_loop(run_collection(spec, tasks, *profile_run(  # profiling switched on / off while it runs
+            spec.tracing = trace_config(job, chunk)
+            # the job's control, plus the run's total deadline and the owner's fair share (capacity.py)
+            control = capacity.guard(DbControl(job=job, db=db, sink=sink, chunk=chunk,
+                                               initial_parallelism=spec.parallelism), job=job, chunk=chunk)
+            # the wrappers other apps registered (profiling: switched on / off while it runs)
+            summary = run_on_loop(run_collection(spec, tasks, *wrap_run(
                 job, *instrument_run(spec, sink, control, instrumentation(job)), db=db, worker_name=worker_name)))
         finally:
             db.close()
         # The database may have restarted while the engine ran: this thread's idle connection is then dead.
         # Everything below is idempotent, so it is retried until the database answers (JOBS_DB_RETRY_S).
         ensure_usable_connection()
-        return call_with_db_retry(_finish_chunk_run, chunk, job, lease, summary, sink, tasks, redispatch,
+        return call_with_db_retry(_finish_chunk_run, chunk, job, lease, summary, sink, tasks, redispatch, control,
                                   what=f"finishing chunk {chunk_id}")
     except Exception as exc:
         logger.exception("chunk %s failed", chunk_id)
@@ -191,9 +214,11 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True) -> s
         raise
 
 
-def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> str:
+def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard=None) -> str:
     """After the engine returned: record the chunk's outcome (see run_chunk). Idempotent, so that it can be
-    retried through a database restart."""
+    retried through a database restart. `guard` (capacity.ChunkGuard) says whether the run was stopped at its
+    deadline or to give its owner's share back: the chunk is handed back ("deadline" / "yielded"), or, at a
+    deadline with nothing stored, the job fails with the reason."""
     chunk_id = chunk.pk
     logger.info("job %s chunk %s: %s (stored %d ok + %d failed, %d already present, %d skipped, %.1fs)",
                 job.pk, chunk.index, "fatal: " + summary.fatal_error if summary.fatal_error else
@@ -207,10 +232,19 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> st
         services.fail_job(job, f"Collection stopped: {summary.fatal_error}")
         return "failed"
     if summary.paused or summary.cancelled:
-        release_lease(chunk_id, lease)
+        stopped_for = getattr(guard, "stopped_for", None)
+        if stopped_for == "handback":  # the worker is stopping: the rows are written, another worker goes on
+            capacity.hand_back_lease(chunk_id, lease)
+        else:
+            release_lease(chunk_id, lease)
+        if stopped_for and (why := guard.deadline_failure(sink.inserted_ok + sink.inserted_failed)):
+            services.fail_job(job, f"Collection stopped: {why}")
+            return "failed"
         job.refresh_from_db(fields=["state"])
-        if redispatch and job.state in JobState.RUNNABLE:  # resumed while we were stopping: run it again
+        if redispatch and job.state in JobState.RUNNABLE:  # resumed meanwhile, or handed back: run it again
             services.dispatch_chunks(job, [chunk_id])
+        if stopped_for:
+            return {"share": "yielded", "handback": "handed_back"}.get(stopped_for, "deadline")
         return "paused" if summary.paused else "cancelled"
     stored, expected = tasks.stored_count(), tasks.expected_count
     if stored < expected:  # never mark a chunk done with pairs missing
@@ -226,8 +260,7 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> st
             services.dispatch_chunks(job, [chunk_id])
         return "incomplete"
     now = timezone.now()
-    if not JobChunk.objects.filter(pk=chunk_id, lease_owner=lease).update(
-            state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
+    if not CHUNK_LEASE.held(chunk_id, lease).update(state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
         return "lost_lease"
     if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         services.finalize_job(job, launch=redispatch)
@@ -235,13 +268,15 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch) -> st
 
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
-def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None):
+def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None,
+                   on_stored=None):
     """Run every unfinished chunk of the job in this process, with the same code path as the Celery
     task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
     (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
     when `resume` (rerunning the CLI resumes). Chunks leased by another live process are waited for
     (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
     `stats` (a dict), when given, receives `lease_wait_s`: the time spent waiting for such leases.
+    `on_stored(rows)` receives each batch's newly stored rows right after it commits (the CLI's output files).
     Returns the job, refreshed."""
     worker_name = worker_name or default_worker_name("inline")
     wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
@@ -269,7 +304,8 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                 break
             progressed = False
             for chunk_id in chunk_ids:
-                outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False)
+                outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False,
+                                    on_stored=on_stored)
                 if outcome != "busy":
                     progressed = True
                 call_with_db_retry(job.refresh_from_db, what=f"reading job {job.pk}")
@@ -332,7 +368,7 @@ def diagnose_stall(job, now=None) -> str:
     now = now or timezone.now()
     idle_since = job.last_progress_at or job.started_at or now
     head = f"no progress for {_duration((now - idle_since).total_seconds())}"
-    stale = _stale_before(now)
+    stale = stale_before(now)
     chunks = list(JobChunk.objects.filter(job=job).values("state", "lease_owner", "heartbeat_at"))
     running = [c for c in chunks if c["state"] == JobChunk.State.RUNNING]
     live = [c for c in running if c["heartbeat_at"] and c["heartbeat_at"] >= stale]
@@ -387,15 +423,11 @@ def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
     * running jobs without a new rollout for JOBS_STALL_AFTER_S are flagged stalled;
     * runnable jobs whose chunks are all done are finalized (safety path)."""
     now = now or timezone.now()
-    stale = _stale_before(now)
     report = {"reclaimed": [], "redispatched": [], "stalled": [], "finalized": []}
 
-    stale_chunks = (JobChunk.objects.filter(state=JobChunk.State.RUNNING)
-                    .filter(Q(heartbeat_at__lt=stale) | Q(heartbeat_at__isnull=True))
-                    .values_list("pk", "job_id", "heartbeat_at", "lease_owner"))
+    stale_chunks = CHUNK_LEASE.expired(now).values_list("pk", "job_id", "heartbeat_at", "lease_owner")
     for chunk_id, job_id, heartbeat_at, owner in list(stale_chunks):
-        if JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.RUNNING, lease_owner=owner,
-                                   heartbeat_at=heartbeat_at).update(state=JobChunk.State.PENDING):
+        if CHUNK_LEASE.reclaim(chunk_id, owner, heartbeat_at):
             # lease_owner and heartbeat_at stay: the pending chunk remembers its last holder (diagnose_stall)
             logger.warning("job %s chunk %s: lease of %s expired; handing the chunk out again", job_id, chunk_id, owner)
             report["reclaimed"].append(chunk_id)
@@ -453,6 +485,7 @@ def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
             if not job.stalled:
                 logger.warning("job %s flagged stalled: %s", job.pk, reason)
                 report["stalled"].append(job.pk)
+                job.notice("job.stalled", reason)
             job.stalled, job.stall_reason = True, reason
             publish_job_state(job)
     return report

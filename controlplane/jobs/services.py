@@ -21,6 +21,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from controlplane import limits
+from controlplane import operator as knobs
 from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
@@ -55,9 +56,19 @@ def chunk_queue(job) -> str | None:
             or None)
 
 
+def queue_errors(job_or_endpoint) -> dict[str, str]:
+    """{"endpoint": why} when the chunks would go to a queue name the broker keeps for itself (`unacked`, a
+    pidbox...: an endpoint saved before the checks, or changed behind them). Endpoint saves allow only the
+    operator's queues; this is checked again at job creation and right before anything is sent."""
+    endpoint = getattr(job_or_endpoint, "endpoint", job_or_endpoint)
+    queue = getattr(endpoint, "worker_queue", "") or ""
+    why = knobs.queue_problem(queue, listed=False)
+    return {"endpoint": f"this endpoint's worker queue: {why}"} if why else {}
+
+
 # --- creation ----------------------------------------------------------------------------------
-def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_size, verifier, verify_mode,
-              responses_create_params, verifier_options):
+def _validate(*, dataset, endpoint, limit, num_repeats, num_samples_in_parallel, chunk_size, verifier, verify_mode,
+              responses_create_params, verifier_options, operator=False, owner=None):
     errors = {}
     if dataset.status != Dataset.Status.READY:
         errors["dataset"] = f"dataset {dataset.pk} is {dataset.status}, not ready"
@@ -71,9 +82,10 @@ def _validate(*, dataset, limit, num_repeats, num_samples_in_parallel, chunk_siz
             errors[name] = f"{name} must be an integer >= 1, not {value!r}"
     if verify_mode not in CollectionJob.VerifyMode.values:
         errors["verify_mode"] = f"verify_mode must be one of {', '.join(CollectionJob.VerifyMode.values)}"
+    errors.update(queue_errors(endpoint))
     if not errors.get("dataset") and isinstance(verifier_options, dict):  # verifier, options, rows' fields
         try:
-            v, opts = check_verifier(verifier, verifier_options)
+            v, opts = check_verifier(verifier, verifier_options, owner, operator=operator)
             check_dataset_fields(dataset, v, opts, n_rows=limit if isinstance(limit, int) else None)
         except ValidationError as exc:
             errors.update(exc.message_dict)
@@ -115,22 +127,54 @@ def create_job(*, owner, idempotency_key=None, **params):
     return get_or_create_job(owner=owner, idempotency_key=idempotency_key, **params)[0]
 
 
+def mlflow_targets() -> dict[str, str]:
+    """The deployment's MLflow tracking servers, name -> URI (setting MLFLOW_TRACKING_URIS)."""
+    return dict(getattr(settings, "MLFLOW_TRACKING_URIS", {}) or {})
+
+
+def mlflow_target(value) -> str:
+    """The name of the configured MLflow server a job's `mlflow_tracking_uri` names (by name or exact URI); "" for
+    none. Anything else is refused: a user's own URI could make the workers write any path or call any address."""
+    value = (value or "").strip() if isinstance(value, str) else value
+    if not value:
+        return ""
+    known = mlflow_targets()
+    if isinstance(value, str):
+        if value in known:
+            return value
+        for name, uri in known.items():
+            if value == uri:
+                return name
+    names = ", ".join(sorted(known)) or "none are configured"
+    raise ValidationError({"mlflow_tracking_uri": f"not one of this deployment's MLflow tracking servers ({names})"})
+
+
 def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samples_in_parallel=16,
                 parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
                 verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
-                output_path="", launch=True, verify_cache="job"):
+                output_path="", launch=True, verify_cache="job", operator=False, max_version_lag=None,
+                stale_policy=CollectionJob.StalePolicy.MARK, mlflow_tracking_uri=""):
+    """`operator`: the caller is the operator (manage.py commands): dotted-path verifiers are allowed.
+    `max_version_lag` / `stale_policy`: bounded staleness for the rollout stream (controlplane.jobs.stream)."""
+    if max_version_lag is not None and (not isinstance(max_version_lag, int) or isinstance(max_version_lag, bool)
+                                        or not 0 <= max_version_lag <= 2**31 - 1):
+        raise ValidationError({"max_version_lag": f"max_version_lag must be an integer >= 0 or null, not {max_version_lag!r}"})
+    if stale_policy not in CollectionJob.StalePolicy.values:
+        raise ValidationError({"stale_policy": f"stale_policy must be recollect or mark, not {stale_policy!r}"})
     responses_create_params = {} if responses_create_params is None else responses_create_params
     verifier_options = {} if verifier_options is None else verifier_options
+    mlflow_name = mlflow_target(mlflow_tracking_uri)  # one of the deployment's servers, by name or URI, or ""
     if verify_cache not in ("off", "job", "global"):
         raise ValidationError({"verify_cache": f"verify_cache must be off, job or global, not {verify_cache!r}"})
-    _validate(dataset=dataset, limit=limit, num_repeats=num_repeats, num_samples_in_parallel=num_samples_in_parallel,
-              chunk_size=chunk_size, verifier=verifier, verify_mode=verify_mode,
-              responses_create_params=responses_create_params, verifier_options=verifier_options)
-    if quota := limits.quota_errors(owner, num_samples_in_parallel):
-        raise ValidationError(quota)
-
+    _validate(dataset=dataset, endpoint=endpoint, limit=limit, num_repeats=num_repeats,
+              num_samples_in_parallel=num_samples_in_parallel, chunk_size=chunk_size, verifier=verifier,
+              verify_mode=verify_mode, responses_create_params=responses_create_params,
+              verifier_options=verifier_options, operator=operator, owner=owner)
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
     with transaction.atomic():
+        limits.lock_owner(owner)  # the quota is checked and taken under the lock: concurrent requests wait
+        if quota := limits.quota_errors(owner, num_samples_in_parallel):
+            raise ValidationError(quota)
         job = CollectionJob.objects.create(
             owner=owner, name=name, dataset=dataset, endpoint=endpoint, limit=limit, num_repeats=num_repeats,
             num_samples_in_parallel=num_samples_in_parallel, parallelism_auto=parallelism_auto,
@@ -138,6 +182,8 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
             verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
             idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
             output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
+            max_version_lag=max_version_lag, stale_policy=stale_policy,
+            collection_options={"mlflow": mlflow_name} if mlflow_name else {},
         )
         JobChunk.objects.bulk_create(
             [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))
@@ -158,6 +204,10 @@ def dispatch_chunks(job, chunk_ids=None):
         qs = qs.filter(pk__in=list(chunk_ids))
     ids = list(qs.order_by("index").values_list("pk", flat=True))
     if not ids:
+        return []
+    if refused := queue_errors(job):  # never push a chunk onto a key the broker keeps for itself
+        logger.error("job %s: not dispatched: %s", job.pk, refused["endpoint"])
+        fail_job(job, f"Not dispatched: {refused['endpoint']}")
         return []
     JobChunk.objects.filter(pk__in=ids).update(dispatched_at=timezone.now())
     queue = chunk_queue(job)
@@ -235,10 +285,25 @@ def pause_job(job):
     return _transition(job, "pause")
 
 
+def _check_quota_to_reactivate(job):
+    """A paused or finished job that becomes queued again counts against its owner's quota like a new one
+    (else pausing and resuming would get round it). Locks the owner's row first, then the job's, as creation."""
+    if job.owner_id is None:
+        return
+    limits.lock_owner(job.owner)
+    state = CollectionJob.objects.filter(pk=job.pk).values_list("state", flat=True).first()
+    if state not in (JobState.QUEUED, JobState.RUNNING):
+        if quota := limits.quota_errors(job.owner, job.num_samples_in_parallel):
+            raise ValidationError(quota)
+
+
 def resume_job(job, launch=True):
     """Resume a paused, failed or cancelled job: re-dispatch unfinished chunks (exactly-once).
     With launch=False (the CLI's inline runner) nothing is sent to Celery."""
+    if launch and (refused := queue_errors(job)):
+        raise ValidationError(refused)
     with transaction.atomic():
+        _check_quota_to_reactivate(job)
         fresh = _locked(job)
         fresh.resume()
         if launch:
@@ -254,7 +319,10 @@ def retry_failed(job, launch=True):
 
     Chunks are reopened and re-run; each chunk skips the pairs already stored, so only the deleted
     (failed) pairs are collected again."""
+    if launch and (refused := queue_errors(job)):
+        raise ValidationError(refused)
     with transaction.atomic():
+        _check_quota_to_reactivate(job)
         fresh = _locked(job)
         fresh._check("retry_failed")
         deleted, _ = Rollout.objects.filter(job=fresh, status=Rollout.Status.FAILED).delete()
@@ -288,7 +356,7 @@ def compute_summaries(job, batch_size=2000):
     # (task, repeat) order walks the unique index and lets the accumulator fold each finished task
     qs = (Rollout.objects.filter(job_id=job.pk).order_by("task_index", "rollout_index")
           .values_list("status", "data", "failure_class", *TIMING_FIELDS))
-    for status, data, failure_class, *timings in qs.iterator(chunk_size=batch_size):
+    for status, data, _failure_class, *timings in qs.iterator(chunk_size=batch_size):
         timing.add(**dict(zip(TIMING_FIELDS, timings)))
         if status == Rollout.Status.OK:
             agg.add(data)
@@ -318,8 +386,8 @@ def finalize_job(job, launch=True):
         fresh.save(update_fields=["aggregate_metrics", "timing_summary"])
         fresh.complete()
         if fresh.verify_mode == CollectionJob.VerifyMode.FAST and fresh.verifier not in ("", "none"):
-            try:
-                _, options = check_verifier(fresh.verifier, fresh.verifier_options)
+            try:  # the job's own verifier, checked when the job was created (an operator's dotted path too)
+                _, options = check_verifier(fresh.verifier, fresh.verifier_options, fresh.owner, operator=True)
             except ValidationError as exc:  # the verifier went away since launch: say so, keep the job
                 logger.error("job %s: no exact pass: %s", job.pk, exc)
             else:
@@ -360,3 +428,11 @@ def fail_job(job, message):
     _sync(job, fresh)
     publish_job_state(job)
     return job
+
+
+def active_jobs_work(owner) -> tuple[int, int]:
+    """(how many, total parallelism) of the user's queued and running jobs, for the quotas (limits.py)."""
+    from django.db.models import Sum
+
+    jobs = CollectionJob.objects.filter(owner=owner, state__in=[JobState.QUEUED, JobState.RUNNING])
+    return jobs.count(), jobs.aggregate(p=Sum("num_samples_in_parallel"))["p"] or 0

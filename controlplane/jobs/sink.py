@@ -18,14 +18,16 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from controlplane.endpoints.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE_TYPE, endpoint_group
-from controlplane.endpoints.versions import VersionTagger
-from controlplane.monitoring.metrics import record_rollout_batch
-from workers.engine.materialize import materialize_tasks
+from controlplane.jobs.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE_TYPE, endpoint_group
+from controlplane.telemetry import record_rollout_batch
+from workers.engine.materialize import materialize_tasks, row_repeats
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
+from . import figures
 from .events import LiveFigures, job_group, live_figures, progress_payload
-from .models import CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
+from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
+from .versions import VersionTagger
+from .stream import lock_job_for_insert
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ class DbThread:
 
 # --- exactly-once batch insert ------------------------------------------------------------------
 _INSERT_FIELDS = ("job", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "data",
-                  *TIMING_FIELDS, "input_tokens", "output_tokens", "attempts", "weight_version", "worker", "created_at")
+                  *TIMING_FIELDS, "input_tokens", "output_tokens", "attempts", "weight_version", "completed_version",
+                  "spans_update", "stale", "worker", "created_at", "trace_id")
 _SQL_BATCH = 500
 
 
@@ -125,7 +128,10 @@ def _rollout_values(job_id, worker, r: RolloutResult, now):
         "input_tokens": r.input_tokens if (r.input_tokens or 0) >= 0 else None,
         "output_tokens": r.output_tokens if (r.output_tokens or 0) >= 0 else None,
         "attempts": max(0, min(int(r.attempts or 0), 32767)), "weight_version": (r.weight_version or "")[:100],
-        "worker": worker[:200], "created_at": now,
+        "completed_version": (r.completed_version or r.weight_version or "")[:100],
+        "spans_update": bool(r.weight_version and r.completed_version and r.completed_version != r.weight_version),
+        "stale": False,
+        "worker": worker[:200], "created_at": now, "trace_id": (getattr(r, "trace_id", "") or "")[:32],
     }
 
 
@@ -149,9 +155,9 @@ def _row_params(rows: list[dict], fields) -> list[list]:
     return [[prep(row[name], conn) for name, prep in preps] for row in rows]
 
 
-def insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
-    """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status, failure_class.
-    Returns (status, failure_class) of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
+def insert_rollouts(rows: list[dict]) -> list[tuple[str, str, int, int]]:
+    """INSERT ... ON CONFLICT (job, task_index, rollout_index) DO NOTHING RETURNING status, failure_class,
+    task_index, rollout_index: those of the rows actually inserted (PostgreSQL, and SQLite >= 3.35)."""
     if not rows:
         return []
     if connection.vendor == "postgresql":
@@ -166,18 +172,18 @@ def insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
                f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {_returning(qn, meta)}")
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            inserted.extend((r[0], r[1]) for r in cursor.fetchall())
+            inserted.extend(tuple(r) for r in cursor.fetchall())
     return inserted
 
 
 def _returning(qn, meta) -> str:
-    return f"{qn(meta.get_field('status').column)}, {qn(meta.get_field('failure_class').column)}"
+    return ", ".join(qn(meta.get_field(n).column) for n in ("status", "failure_class", "task_index", "rollout_index"))
 
 
 _STAGING = "jobs_rollout_staging"
 
 
-def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
+def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str, int, int]]:
     """PostgreSQL: COPY the batch into a session-local staging table, then move it with one
     INSERT ... SELECT ... ON CONFLICT DO NOTHING RETURNING status. Same rows, same exactly-once rule as
     the multi-row VALUES insert, at about half the client and server CPU: no 10,000-placeholder
@@ -197,17 +203,28 @@ def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str]]:
         cursor.execute(f"WITH staged AS (DELETE FROM {_STAGING} RETURNING {columns}) "
                        f"INSERT INTO {qn(meta.db_table)} ({columns}) SELECT {columns} FROM staged "
                        f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {_returning(qn, meta)}")
-        return [(r[0], r[1]) for r in cursor.fetchall()]
+        return [tuple(r) for r in cursor.fetchall()]
 
 
 # --- the sink ------------------------------------------------------------------------------------
+def _process_channel_layer():
+    """The process's channel layer (None when there is none or it cannot be built: the run goes on)."""
+    try:
+        from channels.layers import get_channel_layer
+
+        return get_channel_layer()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("no channel layer for progress messages (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
 class DbSink:
     """Buffers RolloutResults and writes them in batches (flush_rows rows or every flush_interval_s),
     exactly once; keeps the job's counters, the chunk's heartbeat, the metric series and the live
     progress messages up to date. Publishing failures are logged, never raised."""
 
     def __init__(self, *, job, chunk, lease_owner, worker_name, db: DbThread, on_progress=None, channel_layer=None,
-                 flush_rows=None, flush_interval_s=None, max_publish_per_s=None):
+                 flush_rows=None, flush_interval_s=None, max_publish_per_s=None, on_stored=None):
         self.job_id = job.pk
         self.chunk_id = chunk.pk
         self.total = job.total_rollouts
@@ -218,14 +235,16 @@ class DbSink:
         self.series_name = f"{worker_name} chunk {chunk.index}"[:200]
         self.db = db
         self.on_progress = on_progress
+        # on_stored(rows): on the DB thread, right after a batch commits, with the rows it really inserted (dicts
+        # of _rollout_values) - the CLI appends them to its output files (controlplane.jobs.outfiles)
+        self.on_stored = on_stored
         self.flush_rows = flush_rows or settings.JOBS_FLUSH_ROWS
         self.flush_interval_s = flush_interval_s or settings.JOBS_FLUSH_INTERVAL_S
         self.min_publish_interval = 1.0 / (max_publish_per_s or settings.JOBS_PROGRESS_MAX_PER_S)
-        if channel_layer is None:
-            from channels.layers import get_channel_layer
-
-            channel_layer = get_channel_layer()
+        # None: the process's channel layer, looked up at the first publish, off the event loop (channels_redis,
+        # redis and their imports cost 0.15-0.3 s of CPU: not before the run's first request); False: none
         self.layer = channel_layer
+        self._layer_resolved = channel_layer is not None
         self.group = job_group(job.pk)
         self.endpoint_id = job.endpoint_id
         self._replicas_stored = False  # a sample with a replica table was stored since the endpoint's last nudge
@@ -242,6 +261,7 @@ class DbSink:
                         "parallelism": job.effective_parallelism}
         self.last_tick: ProgressTick | None = None
         self.live: LiveFigures | None = None  # the job's live figures, all chunks summed (events.live_figures)
+        self.running_s: float | None = None  # the job's running time (figures.running_seconds), read with them
         self._job_stub = job  # for progress_payload's static fields
         self.versions = VersionTagger(job.endpoint_id, job.pk)  # weight versions for servers that report none
 
@@ -299,6 +319,9 @@ class DbSink:
         if self._flush_lock is None:
             self._flush_lock = asyncio.Lock()
             self._timer = asyncio.get_running_loop().create_task(self._flush_timer())
+            # the job's state as the run starts (running): the first message goes out now, not at the chunk's
+            # start (runtime._mark_running leaves it to the sink, so that the run's first requests go out first)
+            self._request_publish()
 
     async def _flush_timer(self):
         while True:
@@ -354,6 +377,7 @@ class DbSink:
         rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
         try:
             with transaction.atomic():
+                lock_job_for_insert(self.job_id)  # the job's ids in commit order, for the rollout stream's cursor
                 inserted = insert_rollouts(rows)
                 ok, failed = self._bump(inserted, now)
         except DataError:
@@ -361,10 +385,17 @@ class DbSink:
             for row in rows:
                 row["data"], row["error"] = _strip_nul(row["data"]), _strip_nul(row["error"])
             with transaction.atomic():
+                lock_job_for_insert(self.job_id)
                 inserted = insert_rollouts(rows)
                 ok, failed = self._bump(inserted, now)
+        if self.on_stored is not None and inserted:
+            new = {(t, k) for _, _, t, k in inserted}
+            try:
+                self.on_stored([row for row in rows if (row["task_index"], row["rollout_index"]) in new])
+            except Exception:  # the output files are reconciled from the table at the end of the run
+                logger.exception("job %s: on_stored callback failed", self.job_id)
         failed_by_class: dict[str, int] = {}  # counted once committed: a retried batch is never counted twice
-        for status, failure_class in inserted:
+        for status, failure_class, *_ in inserted:
             if status != Rollout.Status.OK:
                 failed_by_class[failure_class] = failed_by_class.get(failure_class, 0) + 1
         record_rollout_batch(time.perf_counter() - started, len(rows), ok, failed_by_class)
@@ -373,7 +404,7 @@ class DbSink:
         return ok, failed, job_row, lease_ok
 
     def _bump(self, inserted, now):
-        ok = sum(1 for status, _ in inserted if status == Rollout.Status.OK)
+        ok = sum(1 for status, *_ in inserted if status == Rollout.Status.OK)
         failed = len(inserted) - ok
         if inserted:
             CollectionJob.objects.filter(pk=self.job_id).update(
@@ -383,8 +414,7 @@ class DbSink:
         return ok, failed
 
     def _heartbeat(self, now=None) -> bool:
-        return bool(JobChunk.objects.filter(pk=self.chunk_id, lease_owner=self.lease_owner,
-                                            state=JobChunk.State.RUNNING).update(heartbeat_at=now or timezone.now()))
+        return CHUNK_LEASE.beat(self.chunk_id, self.lease_owner, now)
 
     def _read_job(self):
         row = CollectionJob.objects.filter(pk=self.job_id).values(
@@ -408,6 +438,8 @@ class DbSink:
             logger.warning("job %s chunk %s: lease lost (another worker took the chunk)", self.job_id, self.chunk_id)
         self.job_row.update(self._read_job())
         self.live = live_figures(self.job_id, now)  # every chunk of the job, not only this one
+        self._job_stub.state = self.job_row.get("state", self._job_stub.state)
+        self.running_s = figures.running_seconds(self._job_stub, now)
 
     # -- progress messages ----------------------------------------------------------------------
     def payload(self) -> dict:
@@ -417,13 +449,12 @@ class DbSink:
         job.total_rollouts = row.get("total_rollouts", job.total_rollouts)
         live = self.live
         if live is None and tick is not None:  # before the first sample is stored: this chunk's own figures
-            live = LiveFigures(in_flight=tick.in_flight, parallelism=tick.parallelism, samples_per_s=tick.samples_per_s,
-                               done_per_s=tick.samples_per_s, output_tokens_per_s=tick.output_tokens_per_s,
-                               errors=dict(tick.errors or {}))
+            # (no rate yet: rates come from stored rows, none of this run's is stored)
+            live = LiveFigures(in_flight=tick.in_flight, parallelism=tick.parallelism, errors=dict(tick.errors or {}))
         return progress_payload(
             job, completed=row.get("completed_count", 0), failed=row.get("failed_count", 0),
             state=row.get("state", job.state), stalled=row.get("stalled", False), live=live,
-            parallelism=row.get("parallelism"))
+            parallelism=row.get("parallelism"), running_s=self.running_s)
 
     def _request_publish(self):
         """Coalesce: at most one message per min_publish_interval; the latest state always goes out."""
@@ -453,6 +484,9 @@ class DbSink:
                 self.on_progress(message)
             except Exception:
                 logger.exception("on_progress callback failed")
+        if not self._layer_resolved:
+            self._layer_resolved = True
+            self.layer = await asyncio.to_thread(_process_channel_layer)
         if self.layer:
             try:
                 await asyncio.wait_for(self.layer.group_send(self.group, message), timeout=2.0)
@@ -545,6 +579,8 @@ class ChunkTasks:
         self.job_id = job.pk
         self.dataset = job.dataset
         self.num_repeats = job.num_repeats
+        self.repeats = row_repeats(job.num_repeats, job.collection_options)  # R, or R per row's agent
+        self.expected = 0
         end = chunk.end_row
         if job.limit:
             end = min(end, job.limit)
@@ -574,16 +610,21 @@ class ChunkTasks:
                 pass  # materialize_tasks raises the clear error
         existing = set()
         if task_ids:
-            existing = set(Rollout.objects.filter(job_id=self.job_id, task_index__in=task_ids)
-                           .values_list("task_index", "rollout_index"))
+            # bounded by the page's range, so the (job, task_index, rollout_index) index serves it whatever the
+            # planner knows: with an IN list alone and no statistics yet (a fresh job, before ANALYZE) PostgreSQL
+            # read every stored row of the job per page (30k rows: 11.7 ms a page, growing with the job)
+            lo, hi = min(task_ids), max(task_ids)
+            pairs = Rollout.objects.filter(job_id=self.job_id, task_index__gte=lo, task_index__lte=hi)
+            if len(task_ids) != hi - lo + 1:
+                pairs = pairs.filter(task_index__in=task_ids)
+            existing = set(pairs.values_list("task_index", "rollout_index"))
         return rows, existing, stop
 
     def stored_count(self) -> int:
         """How many of the chunk's (task, repeat) pairs are in the table now."""
         qs = Rollout.objects.filter(job_id=self.job_id)
-        r = self.num_repeats
         total = 0
-        for occurrence, ids in self.tasks_by_occurrence.items():
+        for (occurrence, r), ids in self.tasks_by_occurrence.items():
             pairs = qs.filter(rollout_index__gte=occurrence * r, rollout_index__lt=(occurrence + 1) * r)
             if len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of task indices
                 total += pairs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
@@ -593,7 +634,7 @@ class ChunkTasks:
 
     @property
     def expected_count(self) -> int:
-        return self.rows_seen * self.num_repeats
+        return self.expected
 
     def __iter__(self):
         if self.start >= self.end:
@@ -602,10 +643,12 @@ class ChunkTasks:
         while future is not None:
             rows, existing, stop = future.result()
             future = self.db.submit(self._page, stop) if stop < self.end else None
-            for task_index, occurrence, _row in rows:
+            for task_index, occurrence, row in rows:
                 self.rows_seen += 1
-                self.tasks_by_occurrence.setdefault(occurrence, set()).add(int(task_index))
-            for item in materialize_tasks(rows, self.num_repeats):
+                r = self.repeats(row) if callable(self.repeats) else self.repeats
+                self.expected += r
+                self.tasks_by_occurrence.setdefault((occurrence, r), set()).add(int(task_index))
+            for item in materialize_tasks(rows, self.repeats):
                 if (item.task_index, item.rollout_index) in existing:
                     self.skipped += 1
                     continue

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from . import runtime, services, verification
-from .models import CollectionJob
+from . import capacity, resume, runtime, services, verification  # noqa: F401 (resume: the worker's resume slots)
+from .models import CollectionJob, JobChunk
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_chunk_task(chunk_id: int) -> str:
-    """Run one chunk. Idempotent: a duplicate or redelivered message finds the chunk leased or done."""
+    """Run one chunk. Idempotent: a duplicate or redelivered message finds the chunk leased or done. An owner at
+    their fair share of the workers while others wait gets the message back later (capacity.py)."""
+    if capacity.HANDING_BACK.is_set():  # this worker is stopping: the message goes back for another one
+        chunk = JobChunk.objects.filter(pk=chunk_id).select_related("job", "job__endpoint").first()
+        if chunk is not None:
+            services.send_task(services.RUN_CHUNK_TASK, chunk_id, queue=capacity.queue_of(chunk.job))
+        return "handed_back"
+    if capacity.requeued_over_share(chunk_id):
+        return "requeued"
     return runtime.run_chunk(chunk_id, runtime.default_worker_name("celery"))
 
 

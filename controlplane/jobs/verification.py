@@ -3,17 +3,17 @@ without verification), fast jobs (a cheap heuristic during collection; the exact
 re-verify. Runs with its own, much higher parallelism than collection: a process pool of
 VERIFY_JOB_PROCESSES for CPU verifiers, VERIFY_JOB_CONCURRENCY threads / calls for io and remote ones.
 
-Resumable and exactly-once like a chunk: a VerificationRun is leased with a heartbeat; each batch of
-rollouts gets its new rewards and the run's cursor (the last rollout id done) in one transaction, guarded
-by the lease. A killed worker stops heartbeating; the watchdog hands the run out again and the new
-holder starts after the cursor. When the last batch is in, counts and aggregate metrics are recomputed.
+Resumable and exactly-once like a chunk: a VerificationRun is leased with a heartbeat (the chunks' protocol,
+controlplane.leases: models.VERIFICATION_LEASE); each batch of rollouts gets its new rewards and the run's
+cursor (the last rollout id done) in one transaction, guarded by the lease. A killed worker stops
+heartbeating; the watchdog hands the run out again and the new holder starts after the cursor. When the last
+batch is in, counts and aggregate metrics are recomputed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import multiprocessing
-import threading
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -25,15 +25,18 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from controlplane.monitoring.metrics import record_verify_batch
+from controlplane.leases import HeartbeatThread
+from controlplane.telemetry import record_verify_batch
 from workers.engine.convert import response_text
 from workers.verifiers.execution import VerifyExecutor, verify_items
 
 from . import services
 from .events import publish_job_state
-from .models import CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun
+from .models import (
+    VERIFICATION_LEASE, CollectionJob, InvalidTransition, JobMetricSample, JobState, Rollout, VerificationRun,
+)
 from .verify_cache import verify_cache_spec
-from .verifier_checks import check_verifier
+from .verifier_checks import bind_options, check_verifier
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,12 @@ _OUTPUT_KEYS = {"response", "reward", "_ng_task_index", "_ng_rollout_index"}
 
 
 # --- starting --------------------------------------------------------------------------------
-def start_verification(job, *, verifier=None, verifier_options=None, launch=True, trigger="user") -> VerificationRun:
+def start_verification(job, *, verifier=None, verifier_options=None, launch=True, trigger="user",
+                       operator=False) -> VerificationRun:
     """Verify a finished job's stored rollouts (the job's own verifier unless another is given). An
     active run of the job is returned as is. `trigger`: "user", or "fast_exact_pass" (started by the
-    job's completion in fast mode)."""
+    job's completion in fast mode). `operator`: asked for by the operator (manage.py verify_job), who may
+    name any dotted path; users name what controlplane.operator allows (the job's own verifier too)."""
     existing = VerificationRun.objects.filter(job=job, state__in=[VerificationRun.State.PENDING,
                                                                   VerificationRun.State.RUNNING]).first()
     if existing is not None:
@@ -55,7 +60,8 @@ def start_verification(job, *, verifier=None, verifier_options=None, launch=True
     name = verifier or job.verifier
     if not name or name == "none":
         raise ValidationError({"verifier": "the job has no verifier: name one to verify with"})
-    _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {})
+    _, options = check_verifier(name, job.verifier_options if verifier_options is None and not verifier else verifier_options or {},
+                                job.owner, operator=operator)
     return services.create_verification_run(job, name, options, trigger=trigger, launch=launch)
 
 
@@ -71,21 +77,7 @@ def run_pending(job, worker_name="") -> list[str]:
             .order_by("created_at").values_list("pk", flat=True)]
 
 
-# --- lease ----------------------------------------------------------------------------------
-def _stale_before(now=None):
-    return (now or timezone.now()) - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
-
-
-def acquire(run_id, lease) -> bool:
-    now = timezone.now()
-    return bool(VerificationRun.objects.filter(pk=run_id).filter(
-        Q(state=VerificationRun.State.PENDING)
-        | Q(state=VerificationRun.State.RUNNING, heartbeat_at__lt=_stale_before(now))
-        | Q(state=VerificationRun.State.RUNNING, heartbeat_at__isnull=True)
-    ).update(state=VerificationRun.State.RUNNING, lease_owner=lease, heartbeat_at=now,
-             started_at=now, attempts=F("attempts") + 1))
-
-
+# --- lease (controlplane.leases) ------------------------------------------------------------
 def reclaim_stale(dispatch_again=True, broker_lost=False) -> list[int]:
     """Watchdog: runs whose worker stopped heartbeating go back to pending and are sent again; a pending run
     nobody took for a while (a message lost in a broker outage) is sent again (a duplicate finds it leased),
@@ -103,11 +95,8 @@ def reclaim_stale(dispatch_again=True, broker_lost=False) -> list[int]:
             if dispatch_again:
                 with transaction.atomic():
                     dispatch(run)
-    for run in VerificationRun.objects.filter(state=VerificationRun.State.RUNNING).filter(
-            Q(heartbeat_at__lt=_stale_before()) | Q(heartbeat_at__isnull=True)):
-        if VerificationRun.objects.filter(pk=run.pk, lease_owner=run.lease_owner, state=VerificationRun.State.RUNNING,
-                                          heartbeat_at=run.heartbeat_at).update(state=VerificationRun.State.PENDING,
-                                                                                lease_owner=""):
+    for run in VERIFICATION_LEASE.expired():
+        if VERIFICATION_LEASE.reclaim(run.pk, run.lease_owner, run.heartbeat_at, lease_owner=""):
             logger.warning("verification run %s of job %s: lease of %s expired; handing it out again",
                            run.pk, run.job_id, run.lease_owner)
             out.append(run.pk)
@@ -118,30 +107,6 @@ def reclaim_stale(dispatch_again=True, broker_lost=False) -> list[int]:
 
 
 # --- running --------------------------------------------------------------------------------
-class _Heartbeat(threading.Thread):
-    """Keeps the lease fresh while a batch is being verified (a batch can take longer than the lease
-    timeout on a busy machine; without this the watchdog would hand a live run out again)."""
-
-    def __init__(self, run_id, lease):
-        super().__init__(name=f"verify-heartbeat-{run_id}", daemon=True)
-        self.run_id, self.lease = run_id, lease
-        self.stop = threading.Event()
-        self.interval = max(0.5, min(5.0, settings.JOBS_LEASE_TIMEOUT_S / 4))
-
-    def run(self):
-        from django.db import connection
-
-        try:
-            while not self.stop.wait(self.interval):
-                try:
-                    VerificationRun.objects.filter(pk=self.run_id, lease_owner=self.lease,
-                                                   state=VerificationRun.State.RUNNING).update(heartbeat_at=timezone.now())
-                except Exception:  # noqa: BLE001  (a missed beat is retried; the lease timeout is the judge)
-                    logger.exception("verification heartbeat failed")
-        finally:
-            connection.close()
-
-
 def _pool(size):
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -228,18 +193,22 @@ async def _verify_batch(ex: VerifyExecutor, pool, items):
 
 def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batches=None) -> str:
     """Run (or resume) one verification run to its end. Returns "done", "busy", "skipped", "lost_lease"
-    or "failed". `stop_after_batches` stops early (for tests of resumption)."""
+    or "failed"; "deadline" when its total deadline (JOBS_CHUNK_DEADLINE_S) handed it back, pending and sent
+    again, to resume at its cursor (with nothing verified by then it fails with the reason).
+    `stop_after_batches` stops early (for tests of resumption)."""
     run = VerificationRun.objects.select_related("job").filter(pk=run_id).first()
     if run is None or run.state in (VerificationRun.State.DONE, VerificationRun.State.FAILED):
         return "skipped"
     lease = f"{worker_name or 'verify'}#{uuid.uuid4().hex[:8]}"
-    if not acquire(run_id, lease):
+    now = timezone.now()
+    if not VERIFICATION_LEASE.claim(run_id, lease, now=now, started_at=now):
         return "busy"
     run.refresh_from_db()
     job = run.job
     try:
         cache_spec = verify_cache_spec(job)
-        ex = VerifyExecutor(run.verifier, run.verifier_options, cache=job.verify_cache or "job",
+        ex = VerifyExecutor(run.verifier, bind_options(run.verifier, run.verifier_options, job.owner),
+                            cache=job.verify_cache or "job",
                             concurrency=settings.VERIFY_JOB_CONCURRENCY, shared_url=cache_spec["verify_cache_url"],
                             shared_scope=cache_spec["verify_cache_scope"], shared_ttl_s=cache_spec["verify_cache_ttl_s"],
                             shared_claim_s=cache_spec["verify_cache_claim_s"])
@@ -248,20 +217,27 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
         pool = _pool(settings.VERIFY_JOB_PROCESSES) if ex.kind == "cpu" else None
         if pool is not None:
             ex.pooled = _pool_one(pool)
-        if ex.name == "code":
-            from workers.verifiers import sandbox
-            mode, why = sandbox.mode()
-            run.info["sandbox"] = mode if mode == "bubblewrap" else f"rlimits only ({why})"
+        info = getattr(ex.verifier, "runtime_info", None)
+        if info is not None:  # the code verifier: the sandbox its programs get (or why there is none)
+            run.info.update(info())
         run.info.update(kind=ex.kind, processes=settings.VERIFY_JOB_PROCESSES if pool else None,
                         concurrency=ex.concurrency if ex.kind in ("io", "remote") else None)
-        VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(info=run.info)
+        VERIFICATION_LEASE.held(run.pk, lease).update(info=run.info)
         loop = asyncio.new_event_loop()
-        heartbeat = _Heartbeat(run.pk, lease)
+        heartbeat = HeartbeatThread(VERIFICATION_LEASE, run.pk, lease, name=f"verify-heartbeat-{run.pk}")
         heartbeat.start()
         batches = 0
         t0, done0 = time.monotonic(), run.verified
+        deadline_s = settings.JOBS_CHUNK_DEADLINE_S  # Celery's time limits are not enforced under threads
         try:
             while True:
+                remaining = deadline_s - (time.monotonic() - t0)
+                if remaining <= 0 and run.verified > done0:  # hand the run back: it resumes at its cursor
+                    if VERIFICATION_LEASE.release(run.pk, lease, lease_owner=""):
+                        dispatch(run)
+                        logger.warning("verification run %s: handed back at its total deadline of %g s",
+                                       run.pk, deadline_s)
+                    return "deadline"
                 qs = (Rollout.objects.filter(job=job, id__gt=run.cursor)
                       .filter(Q(status=Rollout.Status.OK) | Q(failure_class="verifier_error"))
                       .order_by("id"))
@@ -271,7 +247,14 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                 items = [(_input_row(r.data, verifier_fields), response_text(r.data.get("response") or {}))
                          for r in rollouts]
                 hits0, lookups0 = ex.hits, ex.lookups
-                results = loop.run_until_complete(_verify_batch(ex, pool, items))
+                try:
+                    results = loop.run_until_complete(asyncio.wait_for(_verify_batch(ex, pool, items),
+                                                                       max(remaining, 0.001)))
+                except asyncio.TimeoutError:
+                    if run.verified > done0:
+                        continue  # the deadline hands the run back above, this batch not written
+                    raise TimeoutError(f"no batch of {len(items)} verifications finished within the run's total "
+                                       f"deadline of {deadline_s:g} s (JOBS_CHUNK_DEADLINE_S)") from None
                 errors = 0
                 agree = run.info.setdefault("fast_agreement", {"same": 0, "compared": 0}) if fast_job else None
                 for r, res in zip(rollouts, results):
@@ -295,7 +278,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                         agree["same"] += data["fast_reward"] == data["reward"]
                 write_t0 = time.perf_counter()
                 with transaction.atomic():
-                    if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+                    if not VERIFICATION_LEASE.held(run.pk, lease).update(
                             info=run.info,
                             cursor=rollouts[-1].id, verified=F("verified") + len(rollouts), errors=F("errors") + errors,
                             cache_hits=F("cache_hits") + ex.hits - hits0,
@@ -309,7 +292,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
                 batches += 1
                 elapsed = time.monotonic() - t0
                 run.info["rollouts_per_s"] = round((run.verified - done0) / elapsed, 1) if elapsed > 0 else None
-                VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(info=run.info)
+                VERIFICATION_LEASE.held(run.pk, lease).update(info=run.info)
                 if stop_after_batches is not None and batches >= stop_after_batches:
                     return "stopped"
         finally:
@@ -321,7 +304,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
         services.refresh_counts(job)
         aggregate_metrics, timing_summary = services.compute_summaries(job)
         CollectionJob.objects.filter(pk=job.pk).update(aggregate_metrics=aggregate_metrics)
-        if not VerificationRun.objects.filter(pk=run.pk, lease_owner=lease).update(
+        if not VERIFICATION_LEASE.held(run.pk, lease).update(
                 state=VerificationRun.State.DONE, finished_at=timezone.now(), heartbeat_at=timezone.now()):
             return "lost_lease"
         job.refresh_from_db()
@@ -331,7 +314,7 @@ def run_verification(run_id, worker_name="", batch_size=BATCH, stop_after_batche
         return "done"
     except Exception as exc:
         logger.exception("verification run %s failed", run_id)
-        VerificationRun.objects.filter(pk=run_id, lease_owner=lease).update(
+        VERIFICATION_LEASE.held(run_id, lease).update(
             state=VerificationRun.State.FAILED, error_message=f"{type(exc).__name__}: {exc}"[:5000],
             finished_at=timezone.now())
         return "failed"
@@ -351,7 +334,7 @@ def summary(job) -> dict | None:
 def collection_cache(job) -> dict:
     """Cache figures of the collection runs (inline / fast verification): the last tick of each run."""
     hits = lookups = 0
-    shared, errors = False, set()
+    shared, errors, sandboxes = False, set(), set()
     # order_by(): the model's default ordering (job, t) would put t into the DISTINCT and repeat each series
     for worker in JobMetricSample.objects.filter(job=job).order_by().values_list("worker", flat=True).distinct():
         last = JobMetricSample.objects.filter(job=job, worker=worker).order_by("-t").values_list("extra", flat=True).first()
@@ -360,8 +343,20 @@ def collection_cache(job) -> dict:
         shared = shared or bool((last or {}).get("verify_cache_shared"))
         if (last or {}).get("verify_cache_error"):
             errors.add(last["verify_cache_error"])
+        if (last or {}).get("verify_sandbox"):
+            sandboxes.add(str(last["verify_sandbox"]))
     return {"hits": hits, "lookups": lookups, "hit_rate": hits / lookups if lookups else None, "shared": shared,
-            "errors": sorted(errors)}
+            "errors": sorted(errors), "sandboxes": sorted(sandboxes), "sandbox_note": sandbox_note(sandboxes)}
+
+
+def sandbox_note(sandboxes) -> str:
+    """What a page says when the code verifier's programs ran without the namespace sandbox."""
+    if any(s.startswith("unavailable") for s in sandboxes):
+        return "no namespace sandbox on a worker: code verification is refused there"
+    if any(s != "bubblewrap" for s in sandboxes):
+        return ("rlimits only, the operator's choice: programs can read what the worker's user can read and "
+                "reach the network")
+    return ""
 
 
 def panel_context(job) -> dict:

@@ -13,7 +13,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from .events import RATE_WINDOW_S
+from . import figures
+from .events import LIVE_FRESH_S
 from .models import JobChunk, JobMetricSample
 
 
@@ -40,7 +41,8 @@ def _latest_samples(job_id):
 def job_workers(job, now=None) -> list[dict]:
     """One dict per worker process that ran part of the job, live ones first:
     host, pid, worker (its name without the thread), chunks_held (running leases now), chunks_done,
-    rollouts (ok + failed, as its chunk runs last reported them), rollouts_per_s (its current rate, 0 when idle),
+    rollouts (ok + failed rows it stored), rollouts_per_s (rows it stored per second over the job's recent window,
+    figures.recent_rate_by_worker; 0 when idle),
     in_flight, last_heartbeat (ISO time or None), alive (heartbeat younger than the lease timeout)."""
     now = now or timezone.now()
     workers: dict[tuple[str, str], dict] = {}
@@ -62,22 +64,26 @@ def job_workers(job, now=None) -> list[dict]:
         if heartbeat and (w["last_heartbeat"] is None or heartbeat > w["last_heartbeat"]):
             w["last_heartbeat"] = heartbeat
 
-    recent = now - timedelta(seconds=RATE_WINDOW_S)
+    fresh = now - timedelta(seconds=LIVE_FRESH_S)
     for row in _latest_samples(job.pk):
         w = entry(row["worker"].rsplit(" chunk ", 1)[0])
-        w["rollouts"] += row["completed"] + row["failed"]
-        if row["t"] >= recent:  # a series that stopped long ago (chunk done, worker gone) adds no rate
-            w["rollouts_per_s"] += row["samples_per_s"]
+        if row["t"] >= fresh:  # a series that stopped (chunk done, paused, worker gone) holds no slots
             w["in_flight"] += row["in_flight"]
         if w["last_heartbeat"] is None or row["t"] > w["last_heartbeat"]:
             w["last_heartbeat"] = row["t"]
+    # rollouts and rates: the rows each worker stored (a killed worker's unstored results count nowhere)
+    for name, n in figures.stored_counts_by_worker(job.pk).items():
+        entry(name)["rollouts"] += n
+    if str(job.state) == "running":
+        for name, rate in figures.recent_rate_by_worker(job.pk, now).items():
+            entry(name)["rollouts_per_s"] += rate
 
     alive_after = now - timedelta(seconds=settings.JOBS_LEASE_TIMEOUT_S)
     out = []
     for w in workers.values():
         w["alive"] = bool(w["chunks_held"] and w["last_heartbeat"] and w["last_heartbeat"] >= alive_after)
-        if not w["alive"]:
-            w["rollouts_per_s"], w["in_flight"] = 0.0, 0
+        if not w["alive"]:  # holds no slot now; what it stored in the window still counts in its rate
+            w["in_flight"] = 0
         w["rollouts_per_s"] = round(w["rollouts_per_s"], 1)
         w["last_heartbeat"] = w["last_heartbeat"].isoformat() if w["last_heartbeat"] else None
         out.append(w)

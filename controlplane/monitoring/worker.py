@@ -18,7 +18,7 @@ def start_worker_exporter(sender=None, **kwargs):
     port = getattr(settings, "WORKER_METRICS_PORT", 0)
     if not port:
         return
-    from . import metrics  # noqa: F401 - sets up the multi-process directory
+    from controlplane import telemetry  # noqa: F401 - sets up the multi-process directory
     from .exporter import serve
 
     try:

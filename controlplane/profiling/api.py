@@ -15,14 +15,14 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_jobs
-from controlplane.api.conventions import READ_ERRORS, ApiMixin, errors, query_params
-from controlplane.api.parsers import JSONParser
-from controlplane.api.serializers import StrictJSONTypes
+from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.rest.parsers import JSONParser
+from controlplane.rest.fields import StrictJSONTypes
 
 from . import services
 from .models import ProfileSession, ProfileSnapshot
@@ -71,7 +71,9 @@ class StatsUrlSerializer(StrictJSONTypes, serializers.Serializer):
 
 class ProfileStartSerializer(StrictJSONTypes, serializers.Serializer):
     seconds = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=services.MAX_SECONDS)
-    scope = serializers.ChoiceField(choices=["verify", "worker"], default="verify")
+    scope = serializers.ChoiceField(choices=["verify", "worker"], default="verify",
+                                    help_text="verify: your job's verifier calls; worker: the whole worker process "
+                                              "(every tenant's work on it): staff only")
     clock = serializers.ChoiceField(choices=["wall", "cpu"], default="wall")
     budget_pct = serializers.FloatField(default=2.0, min_value=0.1, max_value=100,
                                         help_text="verify scope: the throughput cost the sampling aims at, in %; "
@@ -100,6 +102,7 @@ class JobProfileView(_Base):
     @extend_schema(summary="Switch profiling on for a queued or running job (profile for N seconds)",
                    request=ProfileStartSerializer,
                    responses={201: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS),
+                              403: OpenApiResponse(description="scope 'worker' is for staff only"),
                               409: OpenApiResponse(description="The job is finished")})
     def post(self, request, job_id: str):
         job = _job(request, job_id)
@@ -107,6 +110,8 @@ class JobProfileView(_Base):
         ser.is_valid(raise_exception=True)
         try:
             session = services.start(job, user=request.user, **ser.validated_data)
+        except services.ProfilingForbidden as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)
         except services.ProfilingError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         return Response(services._session_payload(session), status=status.HTTP_201_CREATED)

@@ -11,15 +11,18 @@ import re
 import socket
 from datetime import datetime, timedelta, timezone as dt_timezone
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from controlplane import operator as knobs
 from controlplane.jobs.models import CollectionJob, JobState
+from controlplane.limits import url_problem
 from workers.engine.verify_pool import SHARED_VERIFY_POOL
 from workers.profiling.control import ProfilingControl, ProfilingSink
 from workers.profiling.core import FuncRow, ProfileConfig, merge_rows
-from workers.profiling.nemo_gym import StatsPuller
+from workers.profiling.nemo_gym import StatsPuller, log_path_problem
 
 from .models import ProfileRow, ProfileSession, ProfileSnapshot
 
@@ -28,8 +31,8 @@ logger = logging.getLogger(__name__)
 MAX_SECONDS = 24 * 3600
 MIN_SAMPLE = 30  # profiled verifications below which a comparison warns that its scaled figures are rough
 # frames of the product itself (the pool's batch loop, the profiler, the verifier registry): never flagged
-HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/verifiers/base.py", "concurrent/futures/",
-           "multiprocessing/", "threading.py")
+HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/engine/attempt.py", "workers/verifiers/base.py",
+           "concurrent/futures/", "multiprocessing/", "threading.py")
 IDLE = {("select", "epoll.poll"), ("select", "poll"), ("_thread", "lock.acquire"), ("selectors", "select")}
 EXTERNAL_MODULE = re.compile(r"(^|[/\\._])(socket|ssl|subprocess|requests|urllib3?|http[/\\.]client|httpx|aiohttp)"
                              r"([/\\._]|$)")
@@ -39,10 +42,72 @@ class ProfilingError(ValueError):
     pass
 
 
+class ProfilingForbidden(ProfilingError):
+    """A user asked for what only staff may (whole-worker profiling)."""
+
+
+# ------------------------------------------------------------------------------- stats_urls scope
+def _hostport(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return f"{(u.hostname or '').lower().rstrip('.')}:{port}" if u.hostname else None
+
+
+def deployment_servers(job) -> set[str]:
+    """host:port of every server of the job's own deployment: its endpoint's base URLs and, for a NeMo Gym
+    deployment, each server its head server lists (resolved now; the head unreachable: the endpoint's only)."""
+    endpoint = job.endpoint
+    found = {hp for u in endpoint.all_base_urls if (hp := _hostport(u))}
+    if endpoint.is_nemo_gym:
+        from workers.nemo_gym.deployment import DeploymentError, resolve_sync
+
+        try:
+            dep = resolve_sync(endpoint.base_url, timeout_s=5.0)
+            found |= {hp for srv in dep.servers.values() if (hp := _hostport(srv.url))}
+        except (DeploymentError, ValueError):
+            pass
+    return found
+
+
+def _allow_listed(url: str) -> bool:
+    """Named by an entry of ENDPOINT_ALLOWED_HOSTS other than "*" (the operator's own list of servers)."""
+    from workers import outbound
+
+    entries = [e for e in settings.ENDPOINT_ALLOWED_HOSTS if e.strip() and e.strip() != "*"]
+    if not entries:
+        return False
+    return outbound.url_problem(url, outbound.OutboundPolicy(allow=tuple(entries))) is None
+
+
+def stats_url_problem(url: str, allowed: set[str]) -> str | None:
+    """Why a stats URL may not be pulled for this job, or None: it must be a /stats of a server of the job's own
+    deployment (`allowed`, deployment_servers) or of a host the operator's allow-list names."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return "not a valid URL"
+    if u.path.rstrip("/") != "/stats" or u.query or u.fragment:
+        return "must be a NeMo Gym server's /stats (http://host:port/stats)"
+    if _hostport(url) not in allowed and not _allow_listed(url):
+        return ("not a server of this job's deployment (its endpoint and, for NeMo Gym, the servers its head server "
+                "lists) nor named in ENDPOINT_ALLOWED_HOSTS")
+    return None
+
+
 # ----------------------------------------------------------------------------------- on / off
 def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, window_s=5.0, stats_urls=None,
           user=None) -> ProfileSession:
-    """Switch profiling on for a job (queued or running); any session still on for it ends first."""
+    """Switch profiling on for a job (queued or running); any session still on for it ends first. `user`: who
+    asks (None: the operator's manage.py); scope "worker" shows every tenant's calls in a worker: staff only."""
+    if scope == "worker" and user is not None and not knobs.may_profile_worker(user):
+        raise ProfilingForbidden(knobs.WORKER_SCOPE_REFUSED)
     try:
         ProfileConfig(session="check", scope=scope, clock=clock)
     except ValueError as exc:
@@ -56,9 +121,16 @@ def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, wi
     if not 1 <= float(window_s) <= 600:
         raise ProfilingError("window_s must be between 1 and 600")
     urls = [u if isinstance(u, dict) else {"url": u} for u in (stats_urls or [])]
+    allowed = deployment_servers(job) if urls else set()
     for u in urls:  # NeMo Gym servers: {"url": "http://host:port/stats", "log": "<results dir>/<server>.log"}
         if not isinstance(u.get("url"), str) or not re.match(r"^https?://", u["url"]):
             raise ProfilingError(f"stats_urls: {u.get('url')!r} is not an http(s) URL")
+        if why := url_problem(u["url"]):  # the outbound gate's check; it checks again on every pull
+            raise ProfilingError(f"stats_urls: {u['url']}: {why}")
+        if why := stats_url_problem(u["url"], allowed):  # only the job's own servers (checked again by the puller)
+            raise ProfilingError(f"stats_urls: {u['url']}: {why}")
+        if u.get("log") and (why := log_path_problem(u["log"], settings.PROFILING_STATS_LOG_DIR)):
+            raise ProfilingError(f"stats_urls: log: {why}")
     if job.state not in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED):
         raise ProfilingError(f"job {job.pk} is {job.state}: profiling applies to a queued, running or paused job")
     now = timezone.now()
@@ -135,7 +207,10 @@ def profile_run(job, sink, control, *, db, worker_name=""):
             p = pullers.get(s.pk)
             if p is None:
                 pullers.clear()
-                p = pullers[s.pk] = StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s)
+                allowed = deployment_servers(job)
+                p = pullers[s.pk] = StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s,
+                                                log_dir=settings.PROFILING_STATS_LOG_DIR,
+                                                url_check=lambda url: stats_url_problem(url, allowed))
             return p.poll()
 
         pctl = ProfilingControl(control, source, emit, worker=worker_name or host, extra_sources=[pull_stats],
@@ -228,7 +303,29 @@ def job_profile(job, session=None) -> dict:
         "total_s": total,
         "rows": [row_payload(r, total) for r in rows],
         "red_flags": red_flags(rows, verifications=verifications, job=job),
+        "servers": server_profiles(snaps),
     }
+
+
+SERVER_TOP_ROWS = 20
+
+
+def server_profiles(snaps) -> list[dict]:
+    """Each NeMo Gym server's own profile among the snapshots (seed 003's `<server>.log`, as collect_rollouts
+    +profiling_enabled writes it): [{"name", "functions", "total_s", "rows": the top rows by total time}]."""
+    from workers.profiling.nemo_gym import server_of
+
+    by_server: dict[str, list] = {}
+    for s in snaps:
+        if (name := server_of(str(s.worker), str(s.source))) is not None:
+            by_server.setdefault(name, []).append(s)
+    out = []
+    for name, group in sorted(by_server.items()):
+        rows = rows_of(group)
+        total = sum(max(0.0, r.tsub) for r in rows)
+        out.append({"name": name, "functions": len(rows), "total_s": total,
+                    "rows": [row_payload(r, total) for r in rows[:SERVER_TOP_ROWS]]})
+    return out
 
 
 def _session_payload(s):

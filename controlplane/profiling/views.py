@@ -1,6 +1,8 @@
 """The profiling panel of the job page (its table refreshes itself from the API, see static/profiling)."""
 from __future__ import annotations
 
+from controlplane import operator as knobs
+
 from . import services
 
 
@@ -31,4 +33,5 @@ def panel_context(request, job) -> dict:
     except Exception as exc:  # noqa: BLE001  (the job page renders without this panel's data)
         return {"error": f"{type(exc).__name__}: {exc}"}
     prof["rows"] = prof["rows"][:40]
-    return {"profile": prof, "runnable": job.state in ("queued", "running", "paused")}
+    return {"profile": prof, "runnable": job.state in ("queued", "running", "paused"),
+            "worker_scope": knobs.may_profile_worker(getattr(request, "user", None))}

@@ -155,7 +155,7 @@ function makeChart(el, title, seriesDefs, data) {
       label: s.label, stroke: s.color || PALETTE[i % PALETTE.length], width: 1.5, points: { show: false },
       ...(s.fill ? { fill: s.fill } : {}),
     }))],
-    axes: [{}, { size: 55 }],
+    axes: [{ space: 80 }, { size: 55 }],
   };
   return new uPlot(opts, data, el);
 }
@@ -195,15 +195,19 @@ class JobCharts {
     return makeChart(this.els.errors, "errors by class (per interval)",
       classes.map((c, i) => ({ label: c, color: PALETTE[(i + 1) % PALETTE.length] })), [this.t, ...cols]);
   }
+  // A point from a live message; a job that stops running (paused, cancelled, failed, done) adds a gap (null
+  // values): the lines break there instead of ramping across the pause.
   push(snap) {
     if (typeof snap.t !== "number") return;
     const t = snap.t;
     if (this.t.length && t <= this.t[this.t.length - 1]) return; // keep x sorted
+    const gap = snap.state !== "running";
+    if (gap && (!this.sps.length || this.sps[this.sps.length - 1] === null)) return; // one gap is enough
     this.t.push(t);
-    this.sps.push(snap.samples_per_s || 0);
-    this.tps.push(snap.output_tokens_per_s || 0);
-    this.inflight.push(snap.in_flight || 0);
-    const errs = snap.errors || {};
+    this.sps.push(gap ? null : (snap.samples_per_s || 0));
+    this.tps.push(gap ? null : (snap.output_tokens_per_s || 0));
+    this.inflight.push(gap ? null : (snap.in_flight || 0));
+    const errs = gap ? {} : (snap.errors || {});
     let newClass = false;
     for (const c of Object.keys(errs)) {
       if (!this.errClasses.includes(c)) {
@@ -212,7 +216,7 @@ class JobCharts {
         newClass = true;
       }
     }
-    for (const c of this.errClasses) this.err[c].push(errs[c] || 0);
+    for (const c of this.errClasses) this.err[c].push(gap ? null : (errs[c] || 0));
     if (this.t.length > MAX_POINTS) {
       const drop = this.t.length - MAX_POINTS;
       for (const arr of [this.t, this.sps, this.tps, this.inflight, ...Object.values(this.err)]) arr.splice(0, drop);
@@ -266,35 +270,36 @@ function initJobPage() {
   const series = JSON.parse($("#job-series").textContent);
   const root = $("#job-root");
   let charts = null;
-  const startCharts = () => { charts = new JobCharts(series); };
+  const startCharts = () => { charts = new JobCharts(series); window.dashboardCharts = charts; };
   if (typeof uPlot === "undefined") window.addEventListener("load", startCharts); else startCharts();
   let lastT = snapshot.t || 0;
   // Fields only the database knows (elapsed, average rate): kept from the last state fetch; elapsed
   // then ticks on the client while the job runs.
-  const extra = {};
+  // Elapsed is running time (pauses excluded), carried by every message; between messages it ticks on the
+  // client while the job runs.
   let startedAt = null;
-  const takeExtra = (st) => {
-    extra.avg_samples_per_s = st.avg_samples_per_s;
-    extra.elapsed_s = st.elapsed_s;
-    startedAt = st.elapsed_s != null && ["running", "queued"].includes(st.state) ? st.t - st.elapsed_s : null;
+  const takeElapsed = (st) => {
+    startedAt = st.elapsed_s != null && st.state === "running" ? (st.t || Date.now() / 1000) - st.elapsed_s : null;
   };
-  takeExtra(snapshot);
+  takeElapsed(snapshot);
 
   const catchUp = async (withSeries) => {
     const st = await fetchJSON(init.state_url + (withSeries ? "?series=1" : ""));
     if (withSeries && st.series && charts) charts.load(st.series);
-    takeExtra(st.snapshot);
     apply(st.snapshot, { chart: false });
   };
 
   const apply = (snap, { chart = true } = {}) => {
     if (snap.job_id !== undefined && String(snap.job_id) !== String(root.dataset.job)) return;
     const stateChanged = snap.state !== snapshot.state;
-    if (startedAt && ["running", "queued"].includes(snap.state)) extra.elapsed_s = Math.max(0, (snap.t || Date.now() / 1000) - startedAt);
-    const merged = { ...snap, ...extra };
+    const merged = { ...snap };
+    if (!("elapsed_s" in merged)) { merged.elapsed_s = snapshot.elapsed_s; merged.avg_samples_per_s = snapshot.avg_samples_per_s; }
+    takeElapsed(merged);
     applyProgress(document, merged);
     updateActions(merged);
-    if (chart && charts && snap.state === "running" && typeof snap.t === "number" && snap.t > lastT) charts.push(snap);
+    const reason = $("#job-error");
+    if (reason && "error_message" in merged) { reason.textContent = merged.error_message || ""; reason.hidden = !merged.error_message; }
+    if (chart && charts && typeof snap.t === "number" && snap.t > lastT) charts.push(snap);
     if (typeof snap.t === "number") lastT = Math.max(lastT, snap.t);
     snapshot = merged;
     window.dashboardLast = merged;
@@ -306,10 +311,23 @@ function initJobPage() {
     }
   };
   apply(snapshot, { chart: false });
+  setInterval(() => { // elapsed ticks between messages while the job runs
+    if (startedAt === null || snapshot.state !== "running") return;
+    const el = $('[data-field="elapsed_s"]');
+    if (el) el.textContent = fmtDuration(Date.now() / 1000 - startedAt);
+  }, 1000);
 
+  const TERMINAL = ["completed", "cancelled", "failed"];
+  // the badge says "live" only while there is something live to show
+  const jobStatus = (text, cls) => (cls === "live" && TERMINAL.includes(snapshot.state)
+    ? setStatus(`${snapshot.state}: nothing live`, "") : setStatus(text, cls));
+  document.addEventListener("dashboard:progress-applied", (ev) => {
+    if (TERMINAL.includes(ev.detail.state)) setStatus(`${ev.detail.state}: nothing live`, "");
+    else if (window.dashboardSocket?.ws?.readyState === 1) setStatus("live", "live");
+  });
   window.dashboardSocket = new LiveSocket(init.ws_path, {
     onMessage: (msg) => { if (msg.type === "job.progress") apply(msg); },
-    onStatus: setStatus,
+    onStatus: jobStatus,
     onOpen: (reconnected) => {
       // Catch up: whatever happened while the socket was down (or before it opened) is in the DB.
       catchUp(reconnected).catch((e) => console.warn("catch-up failed", e));
@@ -434,6 +452,13 @@ function initHistory() {
   };
   if (typeof uPlot === "undefined") window.addEventListener("load", draw); else draw();
 }
+
+// ---------------------------------------------------------------- confirmations
+// A form with data-confirm asks first (Cancel): a stray click does not stop a job.
+document.addEventListener("submit", (ev) => {
+  const msg = ev.target?.dataset?.confirm;
+  if (msg && !window.confirm(msg)) ev.preventDefault();
+}, true);
 
 // ---------------------------------------------------------------- boot
 const PAGES = { job: initJobPage, overview: initOverview, endpoint: initEndpointPage, datasets: initUpload, history: initHistory };

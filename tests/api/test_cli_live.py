@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 from tests.factories import api_token
+from tests.lanes import serve_control
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo_math.jsonl"
@@ -68,12 +69,13 @@ def stack(transactional_db, tmp_path, django_user_model):
     token = api_token(user)
     queue = f"api-cli-{uuid.uuid4().hex[:10]}"
     env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue,
-           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONUNBUFFERED": "1"}
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONUNBUFFERED": "1",
+           "VERIFIER_PATH_MODULES": "tests.verifier_plugins"}  # users may name the test plugins' verifiers
     port = _free_port()
     procs = [
         Proc("web", [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"], env, tmp_path),
         Proc("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2",
-                        "-Q", queue, "-n", f"{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
+                        "-Q", serve_control(queue), "-n", f"{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
              env, tmp_path),
     ]
     url = f"http://127.0.0.1:{port}"
@@ -203,7 +205,7 @@ def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory,
     """Admin operations run in the Celery worker: the web answers 202 at once, even when the model server
     hangs, and the report lands on the action; `rolloutctl` polls it. `login` issues a token, `logout`
     revokes it."""
-    from controlplane.endpoints.models import AdminAction, Endpoint
+    from controlplane.endpoints.models import AdminAction, AdminOperation, Endpoint
 
     url, token, _ = stack
     # login: a new token that works; logout revokes that one only
@@ -229,6 +231,14 @@ def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory,
     assert sim.get_json("/weight_version")["weight_version"] == 1
     action = AdminAction.objects.get(trace_id=out["trace_id"])
     assert action.state == "succeeded" and action.source == "api" and action.started_at >= action.created_at
+    # the trainer's own trace id, and the POST that answers when the update ended (?wait): no polling
+    trace = "0123456789abcdef0123456789abcdef"
+    r = cli(url, token, "update-weights", ep.pk, "--checkpoint-id", "ck-2", "--trace-id", trace, "--poll-interval", 30,
+            timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["trace_id"] == trace and out["version"] == "2"
+    assert AdminOperation.objects.filter(trace_id=trace).count() == 3
 
     # a model server that does not answer: the web process answers 202 at once (it never calls the server)
     sim.configure(admin_faults={"health": "stall"})

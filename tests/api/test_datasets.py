@@ -84,7 +84,7 @@ def test_unsupported_content_type_is_415(api):
 def test_list_detail_rows_only_own(api, bob_api, alice, bob):
     mine = ingest_dataset(alice, n=30, name="mine")
     theirs = ingest_dataset(bob, n=2, name="theirs")
-    ids = [d["id"] for d in api.get("/api/datasets/").json()]
+    ids = [d["id"] for d in api.get("/api/datasets/").json()["results"]]
     assert mine.pk in ids and theirs.pk not in ids
     assert api.get(f"/api/datasets/{mine.pk}/").status_code == 200
     assert api.get(f"/api/datasets/{theirs.pk}/").status_code == 404
@@ -101,7 +101,7 @@ def test_list_detail_rows_only_own(api, bob_api, alice, bob):
 
 def test_staff_sees_every_dataset(staff_api, alice, bob):
     a, b = ingest_dataset(alice), ingest_dataset(bob)
-    ids = {d["id"] for d in staff_api.get("/api/datasets/").json()}
+    ids = {d["id"] for d in staff_api.get("/api/datasets/").json()["results"]}
     assert {a.pk, b.pk} <= ids
 
 
@@ -123,6 +123,6 @@ def test_list_filters_by_sha256_status_name(api, alice):
     sha = hashlib.sha256(body).hexdigest()
     assert d.sha256 == sha
     ingest_dataset(alice, n=2, name="two")
-    assert [x["id"] for x in api.get(f"/api/datasets/?sha256={sha}&status=ready").json()] == [d.pk]
-    assert [x["id"] for x in api.get("/api/datasets/?name=four").json()] == [d.pk]
+    assert [x["id"] for x in api.get(f"/api/datasets/?sha256={sha}&status=ready").json()["results"]] == [d.pk]
+    assert [x["id"] for x in api.get("/api/datasets/?name=four").json()["results"]] == [d.pk]
     assert api.get("/api/datasets/?sha256=xyz").status_code == 400

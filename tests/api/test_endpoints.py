@@ -57,7 +57,7 @@ def test_other_users_endpoint_is_404(api, bob):
                         ("delete", f"/api/endpoints/{theirs.pk}/"), ("post", f"/api/endpoints/{theirs.pk}/health/"),
                         ("post", f"/api/endpoints/{theirs.pk}/prewarm/")]:
         assert getattr(api, method)(url, {}, format="json").status_code == 404, (method, url)
-    assert theirs.pk not in [e["id"] for e in api.get("/api/endpoints/").json()]
+    assert theirs.pk not in [e["id"] for e in api.get("/api/endpoints/").json()["results"]]
     assert Endpoint.objects.filter(pk=theirs.pk).exists()
 
 

@@ -18,6 +18,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from controlplane.endpoints.models import AdminAction
 from tests.factories import add_rollouts, api_token, service_job
 
+pytestmark = pytest.mark.slow
+
 MAX_EXAMPLES = 10
 
 # Operations whose validity depends on more than the schema can say, so that schema-valid input may rightly
@@ -27,12 +29,16 @@ MAX_EXAMPLES = 10
 # Endpoint URLs too: whether a host is allowed depends on what it resolves to (http://0 is 0.0.0.0) and
 # on the operator's allow-list.
 STATEFUL_VALIDITY = {"POST /api/auth/token/", "POST /api/datasets/", "POST /api/jobs/", "POST /api/sweeps/",
-                     "POST /api/endpoints/", "PUT /api/endpoints/{id}/", "PATCH /api/endpoints/{id}/"}
+                     "POST /api/endpoints/", "PUT /api/endpoints/{id}/", "PATCH /api/endpoints/{id}/",
+                     "POST /api/webhooks/"}  # a receiver URL (resolved, public only) and a stored endpoint
 # schemathesis's coverage phase builds strings inside array items ("stats_urls": [{"url": ...}]) from their
 # lengths alone, ignoring the documented pattern (it sends "" and "000000000" as URLs, which the pattern
 # `^https?://` excludes and the API rightly refuses). A generator limitation, not a schema lag: every other
 # check still runs on this route.
 GENERATOR_IGNORES_NESTED_PATTERN = {"POST /api/jobs/{job_id}/profile/"}
+# The same inside anyOf branches (WeightUpdate: "path" or "checkpoint_id" required, schema_hooks): it sent
+# checkpoint_id "\u0000..." though both branches carry the no-NUL pattern, and the API rightly refused it.
+GENERATOR_IGNORES_NESTED_PATTERN |= {"POST /api/endpoints/{id}/weights/"}
 
 
 @pytest.fixture
@@ -68,7 +74,8 @@ def world(alice, eager_tasks):
     add_rollouts(job, 5, failed_every=2)
     action = AdminAction.objects.create(endpoint=job.endpoint, trace_id="fuzz", kind="health", source="api",
                                         state="failed", error="not run", result=None)
-    return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint, "action": action}
+    return {"alice": alice, "job": job, "dataset": job.dataset, "endpoint": job.endpoint, "action": action,
+            "token": api_token(alice)}
 
 
 @schema.parametrize()
@@ -96,7 +103,11 @@ def test_api_conforms_to_schema(case, world):
         world["endpoint"].request_timeout_s, world["endpoint"].max_retries = 0.5, 0
         world["endpoint"].save()
     label = f"{case.method.upper()} {path}"
-    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY | GENERATOR_IGNORES_NESTED_PATTERN else []
-    # A token per case: DELETE /api/auth/token/ revokes the one it is sent with.
-    case.call_and_validate(headers={"Authorization": f"Token {api_token(world['alice'])}"},
-                           excluded_checks=excluded)
+    # A page cursor is opaque: only one the API gave out is valid, which no schema can say (a made-up one is a 400).
+    opaque_cursor = "cursor" in (case.query or {})
+    excluded = [positive_data_acceptance] if label in STATEFUL_VALIDITY | GENERATOR_IGNORES_NESTED_PATTERN \
+        or opaque_cursor else []
+    # DELETE /api/auth/token/ revokes the token it is sent with: it gets a token of its own. The other cases
+    # share one (knox reads every token of the user on each request: a token per case made the run quadratic).
+    token = api_token(world["alice"]) if label == "DELETE /api/auth/token/" else world["token"]
+    case.call_and_validate(headers={"Authorization": f"Token {token}"}, excluded_checks=excluded)

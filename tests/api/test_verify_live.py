@@ -82,7 +82,7 @@ def test_user_verifier_and_deferred_verification_through_cli_and_api(stack, simu
 
     # API: problems are 400s that say what is wrong
     status, ds = _api(url, token, "GET", "datasets/")
-    base = {"dataset": ds[0]["id"], "endpoint": job["endpoint"]}
+    base = {"dataset": ds["results"][0]["id"], "endpoint": job["endpoint"]}
     status, body = _api(url, token, "POST", "jobs/", {**base, "verifier": "tests.verifier_plugins:not_marked"})
     assert status == 400 and "must be a Verifier subclass" in json.dumps(body)
     status, body = _api(url, token, "POST", "jobs/", {**base, "verifier": "code"})

@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 
 from controlplane.endpoints import admin_ops
 from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
-from controlplane.endpoints.versions import VersionTagger
+from controlplane.jobs.versions import VersionTagger
 from controlplane.jobs import services
 from controlplane.jobs.export import iter_export_lines
 from controlplane.jobs.models import JobState, Rollout
@@ -107,7 +107,7 @@ def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator
     assert out["operations"][1]["attempts"] == 2 and out["operations"][1]["http_status"] == 503
     # the owner (not staff) reads the status code only, never the server's body; staff read the message
     stored = AdminOperation.objects.get(kind="update_weights", trace_id=out["trace_id"]).error
-    assert out["operations"][1]["error"] == "HTTP 503" and stored.startswith("HTTP 503: ") and len(stored) > 10
+    assert out["operations"][1]["error"] == "HTTP 503" and stored.startswith("HTTP 503 — the server said: ") and len(stored) > 30
     log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"kind": "update_weights"}).json()["operations"]
     assert [o["error"] for o in log] == ["HTTP 503"]
     staff = APIClient()
@@ -158,7 +158,9 @@ def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulat
     action = AdminAction.objects.get()
     assert action.params == {"path": "", "checkpoint_id": "ck-7", "version": None, "pause_mode": "keep", "server": None}
     assert not AdminOperation.objects.exists() and sim.get_json("/weight_version")["weight_version"] != 1
-    assert c.get(r["Location"]).json()["summary"] == "update_weights: queued"
+    # no worker serves the control lane: the action says so instead of sitting "queued" in silence
+    assert c.get(r["Location"]).json()["summary"].startswith("update_weights: queued; no worker serves the control "
+                                                            "queue")
 
     assert run_admin_action_task(action.pk) == "succeeded"
     got = c.get(r["Location"]).json()
@@ -332,7 +334,7 @@ def test_servers_without_a_version_are_tagged_by_dispatch_time(user, sim_endpoin
 
 
 def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(user, sim_endpoint, math_dataset):
-    from controlplane.endpoints.versions import backfill
+    from controlplane.jobs.versions import backfill
 
     ep = sim_endpoint("http://127.0.0.1:9", owner=user)
     job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)

@@ -16,7 +16,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.db.models import Count
 
-from controlplane.jobs.management.commands.collect_rollouts import ArgError, parse_overrides
+from controlplane.jobs.dropin_args import ArgError, parse_overrides
 from controlplane.jobs.models import CollectionJob, JobState, Rollout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_command_error_lists_valid_keys_and_help(tmp_path):
     with pytest.raises(CommandError) as ei:
         call_command("collect_rollouts", "+bogus=1")
     msg = str(ei.value)
-    assert "unknown key +bogus" in msg and "+num_samples_in_parallel" in msg and "+model_base_url" in msg
+    assert "unknown key +bogus" in msg and "--help" in msg and "\n" not in msg  # one line; the keys are in --help
     with pytest.raises(CommandError, match="no such file"):
         call_command("collect_rollouts", f"+input_jsonl_fpath={tmp_path}/nope.jsonl",
                      f"+output_jsonl_fpath={tmp_path}/o.jsonl", "+model_base_url=http://127.0.0.1:9", "+model_name=m")
@@ -134,8 +134,8 @@ def cli_args(inp, out, sim_url, *extra):
 def check_output(out: Path, n_tasks: int, repeats: int):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     pairs = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows]
-    assert pairs == sorted(set(pairs)), "ordered, no duplicates"
-    assert len(rows) == n_tasks * repeats
+    # in the order they were stored, as NeMo Gym appends them; each pair once
+    assert sorted(pairs) == [(t, k) for t in range(n_tasks) for k in range(repeats)], "one line per rollout"
     r = rows[0]
     assert {"responses_create_params", "question", "expected_answer", "response", "reward"} <= set(r)
     assert r["responses_create_params"]["max_output_tokens"] == 48 and r["responses_create_params"]["temperature"] == 0.5
@@ -167,6 +167,13 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
     rows, metrics = check_output(out, 30, 2)
     assert sum(r["reward"] for r in rows) / len(rows) == pytest.approx(metrics["mean/reward"])
     job = CollectionJob.objects.get()
+    # throughput as the API and History show it: stored rows and tokens over the running time
+    from controlplane.jobs.figures import job_figures
+
+    f = job_figures(job)
+    assert f["output_tokens"] == sum(r["response"]["usage"]["output_tokens"] for r in rows) > 0
+    assert (f"Throughput: {f['average_rollouts_per_s']:.2f} rollouts/s, {f['average_tokens_per_s']:.1f} tokens/s "
+            f"({f['average_output_tokens_per_s']:.1f} output tokens/s)") in captured.out
     assert job.state == JobState.COMPLETED and job.idempotency_key.startswith("cli:")
     assert job.name == "cli: math_agent" and job.output_path == str(out.resolve())
     assert job.responses_create_params == {"max_output_tokens": 48, "temperature": 0.5}
@@ -175,9 +182,16 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
     call_command("collect_rollouts", *cli_args(inp, out, simulator.url))  # same command: no new job, output again
     assert CollectionJob.objects.count() == 1 and "already completed" in capsys.readouterr().err
     check_output(out, 30, 2)
-    call_command("collect_rollouts", *cli_args(inp, out, simulator.url, "+limit=10"))  # different args: new job
-    assert CollectionJob.objects.count() == 2
-    check_output(out, 10, 2)
+    # different args: a new job, appended after the lines already there (NeMo Gym's docs: `tail -n +N` of the
+    # input into a new run with the same output path appends)
+    before = out.read_text()
+    call_command("collect_rollouts", *cli_args(inp, out, simulator.url, "+limit=10"))
+    assert CollectionJob.objects.count() == 2 and "Output: appending to" in capsys.readouterr().err
+    text = out.read_text()
+    assert text.startswith(before) and len(text.splitlines()) == 60 + 20
+    appended = [json.loads(line) for line in text[len(before):].splitlines()]
+    assert sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in appended) == [(t, k) for t in range(10)
+                                                                                     for k in range(2)]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -242,6 +256,11 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     job.refresh_from_db()
     done_after_first = Rollout.objects.filter(job=job).count()
     assert 0 < done_after_first < n_tasks * repeats, log1
+    # the output holds exactly the rollouts stored when the run stopped: appended as each batch committed
+    lines = out.read_text().splitlines()
+    stored = set(Rollout.objects.filter(job=job, status=Rollout.Status.OK).values_list("task_index", "rollout_index"))
+    on_disk = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in map(json.loads, lines)]
+    assert len(on_disk) == len(set(on_disk)) and set(on_disk) == stored, (len(on_disk), len(stored))
     if sig == signal.SIGINT:
         assert rc == 130, log1
         assert "Rerun the same command to resume" in log1
@@ -251,9 +270,9 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
         assert job.state == JobState.RUNNING  # left behind by the dead process; its lease expires
 
     with open(tmp_path / "run2.log", "w") as log:
-        # SIGKILL: the rerun judges the dead run's heartbeat stale after 6 s, longer than its own start-up, so it
-        # surely waits for that lease
-        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="6" if sig == signal.SIGKILL else "2")
+        # SIGKILL: the rerun judges the dead run's heartbeat stale after 10 s, longer than its own start-up (even on a
+        # loaded machine), so it surely waits for that lease
+        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="10" if sig == signal.SIGKILL else "2")
         rc2 = p2.wait(timeout=240)
     log2 = (tmp_path / "run2.log").read_text()
     assert rc2 == 0, log2
@@ -265,7 +284,8 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     assert CollectionJob.objects.count() == 1
     assert_exactly_once(job, n_tasks * repeats)
     assert job.state == JobState.COMPLETED
-    rows, _ = check_output(out, n_tasks, repeats)
+    rows, _ = check_output(out, n_tasks, repeats)  # the rerun appended only what was new: no line twice
+    assert out.read_text().splitlines()[:len(lines)] == lines
     print(f"\n{sig.name}: {done_after_first} rows stored before the interrupt; rerun completed {len(rows)}")
 
 
@@ -294,3 +314,96 @@ def test_fresh_checkout_migrates_the_embedded_database_and_finds_the_served_mode
     proc = subprocess.run(cmd, cwd=REPO, env=_fresh_checkout_env(var, DATABASE_URL=f"sqlite:///{elsewhere}"),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1 and "run `python manage.py migrate` first" in proc.stderr
+
+
+@pytest.mark.django_db
+def test_a_server_that_is_down_is_named_not_the_model_name(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"responses_create_params": {"input": "What is 1 + 1?"}}\n')
+    with pytest.raises(CommandError) as ei:
+        call_command("collect_rollouts", f"+input_jsonl_fpath={p}", f"+output_jsonl_fpath={tmp_path}/o.jsonl",
+                     "+model_base_url=http://127.0.0.1:9")  # nothing listens; no +model_name
+    msg = str(ei.value)
+    assert msg.startswith("cannot reach the model server at http://127.0.0.1:9") and "+model_base_url" in msg
+    assert "give +model_name" not in msg
+
+
+# --- +profiling_enabled: NeMo Gym's <server>.log ------------------------------------------------------------
+HEADER_TITLES = ("name", "ncall", "tsub", "ttot", "tavg")
+
+
+def check_log_columns(text: str) -> list[str]:
+    """NeMo Gym's <server>.log, line for line: yappi's preamble, the header, then rows whose columns start where the
+    header's titles do (name 200 wide, ncall 10, the times 8, two spaces between). Returns the rows."""
+    lines = text.split("\n")
+    assert lines[:4] == ["", "Clock type: CPU", "Ordered by: totaltime, desc", ""], lines[:4]
+    header = lines[4]
+    starts = [header.index(t) for t in HEADER_TITLES]
+    assert starts == [0, 202, 214, 224, 234], starts
+    rows = [line for line in lines[5:] if line]
+    for line in rows:
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+        assert cells[0] and ":" in cells[0], line
+        assert line[starts[1] - 2:starts[1]] == "  " and cells[1].split("/")[0].isdigit(), line
+        for cell in cells[2:]:
+            float(cell)
+    return rows
+
+
+def test_format_log_is_yappis_own_table(tmp_path):
+    """The same functions through yappi's print_all (what NeMo Gym's Profiler.dump writes) and format_log give the
+    same lines."""
+    import io
+
+    import yappi
+
+    from workers.profiling.nemo_gym import LOG_COLUMNS, format_log, parse_log
+
+    def leaf(n):
+        return sum(i * i for i in range(n))
+
+    def work():
+        return [leaf(2000) for _ in range(30)]
+
+    yappi.clear_stats()
+    yappi.set_clock_type("cpu")
+    yappi.start()
+    try:
+        work()
+    finally:
+        yappi.stop()
+    buf = io.StringIO()
+    yappi.get_func_stats().print_all(out=buf, columns=LOG_COLUMNS)
+    yappi.clear_stats()
+    theirs = buf.getvalue()
+    ours = format_log(parse_log(theirs), clock="cpu")
+    check_log_columns(ours)
+    assert ours.split("\n")[:5] == theirs.split("\n")[:5]
+    assert sorted(ours.split("\n")[5:]) == sorted(theirs.split("\n")[5:])  # ties in total time may swap
+
+
+@pytest.mark.django_db(transaction=True)
+def test_profiling_enabled_writes_nemo_gym_logs_the_seed_can_diff(simulator, tmp_path, capsys):
+    from controlplane.profiling.models import ProfileSession
+
+    inp = write_math(tmp_path / "tasks.jsonl", 20)
+    logs = tmp_path / "profiling" / "baseline"
+    call_command("collect_rollouts", *cli_args(inp, tmp_path / "out" / "rollouts.jsonl", simulator.url,
+                                               "+profiling_enabled=true", f"+profiling_results_dirpath={logs}"))
+    err = capsys.readouterr().err
+    path = logs / "verifier_math.log"
+    assert f"Profiling: {path}" in err, err
+    rows = check_log_columns(path.read_text())
+    assert any("workers/verifiers" in r for r in rows), rows[:5]
+    job = CollectionJob.objects.get()
+    assert ProfileSession.objects.filter(job=job, stopped_at__isnull=False).count() == 1  # for the run's duration
+    # the seed's workflow: a second profiled run, then `diff` of the two logs lines up column for column
+    after = tmp_path / "profiling" / "optimized"
+    call_command("collect_rollouts", *cli_args(inp, tmp_path / "out2" / "rollouts.jsonl", simulator.url,
+                                               "+profiling_enabled=true", f"+profiling_results_dirpath={after}"))
+    check_log_columns((after / "verifier_math.log").read_text())
+    diff = subprocess.run(["diff", str(path), str(after / "verifier_math.log")], capture_output=True, text=True)
+    assert diff.returncode in (0, 1) and "Clock type" not in diff.stdout  # only rows differ
+    # without a directory it says what is missing
+    with pytest.raises(CommandError, match="needs \\+profiling_results_dirpath"):
+        call_command("collect_rollouts", *cli_args(inp, tmp_path / "o3.jsonl", simulator.url, "+profiling_enabled=true"))

@@ -73,8 +73,8 @@ def test_upload_for_a_verifier_rejects_rows_lacking_its_fields_by_line(tmp_path)
     assert ds.row_count == 5 and ds.bad_line_count == 3
     assert list(DatasetRow.objects.filter(dataset=ds).values_list("line_number", flat=True)) == [1, 2, 4, 6, 8]
     assert ds.validation_report["verifiers"]["mcqa"]["fits"]
-    # a user's verifier by dotted path, and an unknown one (nothing stored)
-    ds = ingest_jsonl(_file(ROWS, tmp_path), name="plugin", verifier="tests.verifier_plugins.Length")
+    # a verifier by dotted path (the operator's: load_dataset), and an unknown one (nothing stored)
+    ds = ingest_jsonl(_file(ROWS, tmp_path), name="plugin", verifier="tests.verifier_plugins.Length", operator=True)
     assert ds.row_count == 8 and ds.validation_report["verifiers"]["tests.verifier_plugins.Length"]["fits"]
     before = Dataset.objects.count()
     with pytest.raises(ValueError, match="unknown verifier 'nope'"):
@@ -153,6 +153,7 @@ def _peak(path, **kw):
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 def test_fit_keeps_streaming_memory_bounded(tmp_path):
     """Every row lacks mcqa's and code's fields: the fit keeps counts and 20 line numbers, not the rows."""
     def gen(path, n):

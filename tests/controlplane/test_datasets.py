@@ -3,8 +3,6 @@ import hashlib
 import io
 import json
 import os
-import subprocess
-import sys
 import tracemalloc
 
 import pytest
@@ -242,6 +240,7 @@ def _ingest_peak(path, name):
     return ds, peak
 
 
+@pytest.mark.slow
 def test_streaming_ingest_memory_is_bounded(tmp_path):
     """Peak Python allocation while ingesting 20k rows vs 200k rows: flat (batches of 1000)."""
     small = _gen_file(tmp_path / "small.jsonl", 20_000)
@@ -254,3 +253,20 @@ def test_streaming_ingest_memory_is_bounded(tmp_path):
     assert ds_b.sha256 == file_sha256(big)[0]
     assert peak_b < 1.5 * peak_s + 2 * 2**20, (peak_s, peak_b)
     assert peak_b < size_b / 2
+
+
+def test_a_csv_or_json_array_upload_is_named_as_such(tmp_path):
+    p = tmp_path / "data.csv"
+    p.write_bytes(b"question,expected_answer\nWhat is 1+1?,2\nWhat is 2+2?,4\n")
+    with pytest.raises(DatasetValidationError, match="looks like CSV, not JSON Lines") as ei:
+        ingest_jsonl(p, name="csv")
+    assert "looks like CSV" in ei.value.report["message"]
+    p = tmp_path / "data.json"
+    p.write_bytes(json.dumps([{"question": "q"}, {"question": "r"}], indent=2).encode())
+    with pytest.raises(DatasetValidationError, match="JSON array, not JSON Lines"):
+        ingest_jsonl(p, name="arr")
+    p = tmp_path / "fine-but-bad.jsonl"  # JSON Lines with a bad row: no format hint
+    p.write_bytes(b'{"x": 1}\n')
+    with pytest.raises(DatasetValidationError) as ei:
+        ingest_jsonl(p, name="x")
+    assert "looks like" not in str(ei.value)

@@ -1,5 +1,4 @@
 """Export: NeMo Gym JSONL lines in (task, repeat) order, failures apart, constant memory."""
-import io
 import json
 import time
 import tracemalloc
@@ -99,7 +98,7 @@ def _export_peak(job):
     n = 0
     t0 = time.perf_counter()
     try:
-        for line in iter_export_lines(job, "ok"):
+        for _line in iter_export_lines(job, "ok"):
             n += 1
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -107,6 +106,7 @@ def _export_peak(job):
     return n, peak, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_export_memory_constant_20k_vs_200k(export_job):
     """Peak Python allocation streaming 20k vs 200k rollouts: flat (server-side cursor, 2000-row chunks)."""
     small, big = export_job("small"), export_job("big")

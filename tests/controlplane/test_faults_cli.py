@@ -59,6 +59,7 @@ def test_a_verifier_that_kills_its_process_is_recorded_per_row_and_the_job_compl
     from tests.factories import math_rows
 
     settings.VERIFY_POOL_PROCESSES = 2
+    settings.VERIFIER_PATH_MODULES = ["tests.verifier_plugins"]  # the operator lets users name its verifiers
     rows = math_rows(40)
     crashing = {5, 17, 18}
     for i in crashing:

@@ -13,6 +13,7 @@ import pytest
 from tests.private_servers import PrivatePostgres, Unavailable
 
 from .test_collect_rollouts import cli_args, write_math
+from tests.lanes import serve_control
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,7 @@ def _redis_restart_run(user, math_dataset, sim_endpoint, simulator_factory, tmp_
            "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     listener = GroupListener([redis.url()], prefix, job_group(job.pk))
     celery = [sys.executable, "-m", "celery", "-A", "controlplane"]
-    worker = Proc("worker", [*celery, "worker", "-P", "threads", "-c", "2", "-Q", queue, "-n", f"{queue}@%h",
+    worker = Proc("worker", [*celery, "worker", "-P", "threads", "-c", "2", "-Q", serve_control(queue), "-n", f"{queue}@%h",
                              "--without-gossip", "--without-mingle", "-l", "info"], env, tmp_path)
     beat = Proc("beat", [*celery, "beat", "-l", "info", "-s", str(tmp_path / "beat-schedule")], env, tmp_path)
     out = {}
@@ -182,14 +183,23 @@ def _redis_restart_run(user, math_dataset, sim_endpoint, simulator_factory, tmp_
         while not listener.messages:
             assert time.monotonic() < deadline, "no progress message before the restart"
             time.sleep(0.1)
+        import redis as redis_client
+
+        # The simulator holds every request across the restart, so the job cannot finish before the
+        # listener's subscription is back (on a loaded machine it once did, and the test saw no message).
+        sim.configure(hang=True)
         redis.restart(down_s=2.0, keep_data=keep_data)
         restarted = time.monotonic()
         before = len(listener.messages)
         out["at_restart"] = at_restart = Rollout.objects.filter(job=job).count()
         out["pending_at_restart"] = job.chunks.filter(state="pending").count()
-        import redis as redis_client
-
-        out["queued_after_restart"] = redis_client.Redis.from_url(redis.url()).llen(queue)
+        new_redis = redis_client.Redis.from_url(redis.url())
+        out["queued_after_restart"] = new_redis.llen(queue)
+        deadline = time.monotonic() + 30
+        while not new_redis.pubsub_channels(f"{prefix}__group__*"):
+            assert time.monotonic() < deadline, "the listener did not subscribe again after the restart"
+            time.sleep(0.1)
+        sim.configure(hang=False)
         # the same subscription gets the worker's progress again (both sides reconnected to the new Redis)
         deadline = time.monotonic() + 30
         while not any(m.get("completed", 0) + m.get("failed", 0) > at_restart for m in listener.messages[before:]):

@@ -23,6 +23,7 @@ from django.db.models import Count
 
 from controlplane.jobs import services
 from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
+from tests.lanes import serve_control
 
 REPO = Path(__file__).resolve().parents[2]
 N_TASKS, N_REPEATS = 2000, 2
@@ -83,7 +84,7 @@ def test_sigkill_worker_mid_job_is_exactly_once(user, math_dataset, sim_endpoint
     celery = [sys.executable, "-m", "celery", "-A", "controlplane"]
 
     def worker(name):
-        return Proc(name, [*celery, "worker", "-P", "threads", "-c", "4", "-Q", queue, "-n", f"{name}-{queue}@%h",
+        return Proc(name, [*celery, "worker", "-P", "threads", "-c", "4", "-Q", serve_control(queue), "-n", f"{name}-{queue}@%h",
                            "--without-gossip", "--without-mingle", "-l", "info"], env, tmp_path)
 
     procs = []

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from controlplane.endpoints.replica_load import replica_load
+from controlplane.jobs.replica_load import replica_load
 from controlplane.jobs.models import JobMetricSample
 from tests.factories import make_endpoint, service_job
 
@@ -54,3 +54,48 @@ def test_no_run_in_the_window_is_idle_with_the_last_health_check(user):
     assert load["runs"] == 0 and [r["state"] for r in load["replicas"]] == ["idle", "idle"]
     assert load["replicas"][1]["health"] == {"ok": False, "error": "connection refused"}
     assert load["replicas"][0]["requests"] == 0 and load["replicas"][0]["share"] is None
+
+
+def test_single_url_endpoint_counts_every_job_and_stopped_runs_hold_nothing(user, client):
+    from controlplane.jobs.replica_load import run_health
+
+    a = "http://127.0.0.1:8001"
+    ep = make_endpoint(user, a)  # one URL: its runs' tables are the endpoint's
+    job1, job2 = service_job(user, endpoint=ep), service_job(user, endpoint=ep)
+    now = timezone.now()
+    _tick(job1, "w1 chunk 0", now - timedelta(seconds=1), [_rep(a, in_flight=24, requests=300, ok=300)])
+    _tick(job2, "w2 chunk 0", now - timedelta(seconds=2), [_rep(a, in_flight=8, requests=100, ok=100)])
+    # a run paused 20 s ago: its last tick had 16 in flight; its counts stand, its slots are free
+    _tick(job2, "w2 chunk 1", now - timedelta(seconds=20), [_rep(a, in_flight=16, requests=50, ok=50)])
+    load = replica_load(ep, window_s=30)
+    (row,) = load["replicas"]
+    assert load["runs"] == 3 and row["state"] == "in" and row["in_flight"] == 32 and row["requests"] == 450
+    health = run_health(ep)
+    assert health["ok"] and health["answered"] == 300
+    client.force_login(user)
+    html = client.get(f"/endpoints/{ep.pk}/").content.decode()
+    assert "answering" in html and ">unknown<" not in html
+
+
+def test_only_stopped_runs_are_idle(user):
+    a = "http://127.0.0.1:8001"
+    ep = make_endpoint(user, a)
+    job = service_job(user, endpoint=ep)
+    _tick(job, "w1 chunk 0", timezone.now() - timedelta(seconds=12), [_rep(a, in_flight=32, requests=90, ok=90)])
+    (row,) = replica_load(ep, window_s=30)["replicas"]
+    assert row["state"] == "idle" and row["in_flight"] == 0 and row["requests"] == 90
+
+
+def test_a_resumed_run_of_the_same_series_adds_to_the_one_before(user):
+    a = "http://127.0.0.1:8001"
+    ep = make_endpoint(user, a)
+    job = service_job(user, endpoint=ep)
+    now = timezone.now()
+    # the same worker ran chunk 0 before a pause (300 requests) and again after it (its counters from 0)
+    JobMetricSample.objects.create(job=job, worker="w1 chunk 0", t=now - timedelta(seconds=20), elapsed_s=8.0,
+                                   extra={"replicas": [_rep(a, in_flight=16, requests=300, ok=300)]})
+    JobMetricSample.objects.create(job=job, worker="w1 chunk 0", t=now - timedelta(seconds=1), elapsed_s=3.0,
+                                   extra={"replicas": [_rep(a, in_flight=16, requests=120, ok=120)]})
+    load = replica_load(ep, window_s=30)
+    (row,) = load["replicas"]
+    assert load["runs"] == 2 and row["requests"] == 420 and row["in_flight"] == 16 and row["state"] == "in"

@@ -23,6 +23,7 @@ from controlplane.jobs import services
 from controlplane.jobs.models import JobChunk, JobMetricSample, JobState, Rollout
 from tests.controlplane.test_jobs_e2e import Proc, _database_url, _redis_url
 from tests.fixtures_simulator import start_simulator
+from tests.lanes import serve_control
 
 N_REPEATS = 4
 
@@ -45,7 +46,7 @@ def _run_job(job, tmp_path, during=None, timeout=90):
            "DJANGO_SETTINGS_MODULE": "controlplane.settings", "REPLICA_PROBE_MAX_S": "0.5",
            "REPLICA_HEALTH_INTERVAL_S": "0.5"}
     worker = Proc("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "4",
-                             "-Q", queue, "-n", f"w-{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
+                             "-Q", serve_control(queue), "-n", f"w-{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
                   env, tmp_path)
     try:
         from celery import Celery

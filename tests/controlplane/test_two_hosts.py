@@ -35,6 +35,7 @@ from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 from controlplane.jobs.workers import job_workers
 
 from .test_jobs_e2e import Proc
+from tests.lanes import serve_control
 
 N_TASKS, N_REPEATS = 1200, 2
 LEASE_S = 5
@@ -178,7 +179,7 @@ def test_two_hosts_share_a_job_and_lose_nothing_when_one_is_killed(user, math_da
 
         def worker(i):
             return Proc(f"host{i}", ["ip", "netns", "exec", hosts.names[i], sys.executable, "-m", "celery", "-A",
-                                     "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", f"{queue},control-{queue}", "-n",
+                                     "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", serve_control(f"{queue},control-{queue}"), "-n",
                                      f"host{i}-{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
                         env, tmp_path)
 

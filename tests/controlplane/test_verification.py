@@ -43,10 +43,14 @@ def test_launch_checks_the_rows_fields_with_line_numbers(user, math_dataset, sim
     assert "grading_mode must be one of" in err.value.message_dict["verifier_options"][0]
     with pytest.raises(ValidationError) as err:
         services.create_job(owner=user, dataset=ds, endpoint=ep, verifier="os:system", launch=False)
+    assert "only the operator" in err.value.message_dict["verifier"][0]  # a user's module path: refused
+    with pytest.raises(ValidationError) as err:  # the operator's (manage.py): imported, and not a verifier
+        services.create_job(owner=user, dataset=ds, endpoint=ep, verifier="os:system", launch=False, operator=True)
     assert "must be a Verifier subclass" in err.value.message_dict["verifier"][0]
 
 
-def test_user_verifier_by_dotted_path_scores_a_job(user, math_dataset, sim_endpoint, simulator):
+def test_user_verifier_by_dotted_path_scores_a_job(user, math_dataset, sim_endpoint, simulator, settings):
+    settings.VERIFIER_PATH_MODULES = ["tests.verifier_plugins"]  # the operator lets users name its verifiers
     ds = math_dataset(30)
     job = _job(user, ds, sim_endpoint(simulator.url), verifier="tests.verifier_plugins:last_word",
                verifier_options={"suffix": "}"})

@@ -18,6 +18,7 @@ from controlplane.jobs.models import JobState, Rollout, VerificationRun
 from workers.engine.convert import response_text
 
 from .test_jobs_e2e import LEASE_S, Proc, _database_url
+from tests.lanes import serve_control
 
 N = 5000
 
@@ -61,12 +62,12 @@ def test_deferred_5000_verified_in_a_batch_that_survives_a_worker_kill(user, mat
     celery = [sys.executable, "-m", "celery", "-A", "controlplane"]
 
     def worker(name):
-        return Proc(name, [*celery, "worker", "-P", "threads", "-c", "2", "-Q", queue, "-n", f"{name}-{queue}@%h",
+        return Proc(name, [*celery, "worker", "-P", "threads", "-c", "2", "-Q", serve_control(queue), "-n", f"{name}-{queue}@%h",
                            "--without-gossip", "--without-mingle", "-l", "info"], env, tmp_path)
 
     from controlplane.celery import app
 
-    monkeypatch.setattr(app.conf, "task_default_queue", queue)  # this process sends "verify this job" there
+    monkeypatch.setitem(app.conf.changes, "task_default_queue", queue)  # this process sends "verify this job" there
     procs = []
     try:
         w1 = worker("worker1")

@@ -18,6 +18,7 @@ from controlplane.jobs.models import JobState, Rollout
 from workers.engine.convert import response_text
 from workers.verifiers.base import VerifyResult
 from workers.verifiers.execution import VerifyExecutor
+from tests.lanes import serve_control
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL") or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
 
@@ -34,7 +35,7 @@ def counter():
 def _rows(distinct=12, copies=4):
     """Each question `copies` times, spread so that every copy falls in another chunk of 6 rows."""
     out = []
-    for c in range(copies):
+    for _c in range(copies):
         for i in range(distinct):
             q = f"What is {i} + 1?"
             out.append({"responses_create_params": {"input": [{"role": "user", "content": q}]}, "question": q,
@@ -53,7 +54,8 @@ def _worker(job, errors):
 
 @pytest.mark.django_db(transaction=True)
 def test_identical_work_is_computed_once_across_chunks_workers_and_runs(user, math_dataset, sim_endpoint,
-                                                                       simulator_factory, counter):
+                                                                       simulator_factory, counter, settings):
+    settings.VERIFIER_PATH_MODULES = ["tests.verifier_plugins"]  # the operator lets users name its verifiers
     key, computed = counter
     ds = math_dataset(rows=_rows())
     sim = simulator_factory(seed=11, math_accuracy=0.9)
@@ -217,8 +219,9 @@ def test_a_dead_workers_claim_expires_and_the_work_is_taken_over(counter):
 @pytest.mark.timeout(400)
 @pytest.mark.django_db(transaction=True)
 def test_two_real_celery_workers_compute_identical_work_once(user, math_dataset, sim_endpoint, simulator_factory,
-                                                              counter, tmp_path, monkeypatch):
+                                                              counter, tmp_path, monkeypatch, settings):
     """The same, with the job's chunks taken by two real Celery worker processes."""
+    settings.VERIFIER_PATH_MODULES = ["tests.verifier_plugins"]  # the operator lets users name its verifiers
     import sys
     import time
 
@@ -236,10 +239,10 @@ def test_two_real_celery_workers_compute_identical_work_once(user, math_dataset,
     queue = f"vcache-e2e-{uuid.uuid4().hex[:10]}"
     env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue, "PYTHONUNBUFFERED": "1",
            "DJANGO_SETTINGS_MODULE": "controlplane.settings", "VERIFY_POOL_PROCESSES": "1"}
-    celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", queue,
+    celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", serve_control(queue),
               "--without-gossip", "--without-mingle", "-l", "info"]
     procs = [Proc(f"w{i}", [*celery, "-n", f"w{i}-{queue}@%h"], env, tmp_path) for i in (1, 2)]
-    monkeypatch.setattr(app.conf, "task_default_queue", queue)
+    monkeypatch.setitem(app.conf.changes, "task_default_queue", queue)
     try:
         time.sleep(3)  # both workers listening before the chunks go out, so both take some
         services.dispatch_chunks(job)

@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from tests.lanes import serve_control
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -112,6 +113,7 @@ def start_daphne(env: dict, timeout=30.0) -> tuple[Proc, str]:
 def start_celery(env: dict, concurrency=2, timeout=60.0, name: str | None = None) -> Proc:
     name = f"{name or 'dashtest'}{os.getpid()}@%h"
     p = Proc("celery", [str(VENV_BIN / "celery"), "-A", "controlplane", "worker", "-P", "threads", "-c", str(concurrency),
+                        "-Q", serve_control(env.get("CELERY_TASK_DEFAULT_QUEUE", "celery"), env),
                         "-l", "info", "-n", name, "--without-gossip", "--without-mingle"], env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -131,7 +131,13 @@ def test_dashboard_end_to_end_in_chromium(live_stack, tmp_path):
             _wait_until(lambda: done() > d3, 20, what="progress after reconnect")
             assert page.evaluate("window.__noReload") == "still here"
 
-            # 6. cancel
+            # 6. cancel: it asks first; dismissed, nothing happens; accepted, the job stops
+            asked = []
+            page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+            page.click("#action-cancel")
+            page.wait_for_timeout(500)
+            assert asked and "Cancel job" in asked[0] and CollectionJob.objects.get(pk=job1).state == "running"
+            page.once("dialog", lambda d: d.accept())
             page.click("#action-cancel")
             page.wait_for_load_state()
             _wait_until(lambda: _text(page, "#job-state") == "cancelled", 15, what="cancelled badge")

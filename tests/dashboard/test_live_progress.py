@@ -1,5 +1,5 @@
 """One truth for a job's live numbers: the progress message is built once (events.progress_payload) from
-every chunk's stored samples, so a multi-chunk job on several workers shows job-wide in-flight, rate and
+the job's stored rows and every chunk's stored samples, so a multi-chunk job on several workers shows job-wide in-flight, rate and
 ETA, and a page reload shows what the live stream showed."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.dashboard.live import job_snapshot
 from controlplane.jobs.events import RATE_WINDOW_S, job_progress, live_figures
-from controlplane.jobs.models import JobMetricSample
+from controlplane.jobs.models import JobMetricSample, Rollout
 
 from tests.factories import make_dataset, make_endpoint, make_job
 
@@ -16,13 +16,21 @@ pytestmark = pytest.mark.django_db
 
 
 def _series(job, name, start, now, rate, in_flight, parallelism, until=None, step=0.5):
-    """A chunk run's cumulative samples: `rate` rollouts/s from `start` (seconds before now) to `until`."""
+    """A chunk run's cumulative samples: `rate` rollouts/s from `start` (seconds before now) to `until`,
+    and the rows it stored as it went (the figures count stored rows)."""
     k = 0
+    stored = 0
     while True:
         age = start - k * step
         if age < (until or 0.0):
             break
         elapsed = k * step
+        t = now - timezone.timedelta(seconds=age)
+        n = int(rate * elapsed) - stored
+        base = Rollout.objects.filter(job=job).count()
+        Rollout.objects.bulk_create([Rollout(job=job, task_index=base + i, rollout_index=0, data={}, output_tokens=9,
+                                             worker=name.split(" chunk ")[0], created_at=t) for i in range(n)])
+        stored += n
         JobMetricSample.objects.create(
             job=job, worker=name, t=now - timezone.timedelta(seconds=age), elapsed_s=elapsed,
             completed=int(rate * elapsed), failed=0, samples_per_s=rate, output_tokens_per_s=rate * 9,
@@ -84,7 +92,7 @@ def test_history_shows_the_parallelism_an_adaptive_job_ran_at(alice, client):
     from controlplane.dashboard.live import parallelism_run
 
     job = make_job(alice, make_dataset(alice), make_endpoint(alice), n_rollouts=10, state="completed", name="adaptive")
-    job.num_samples_in_parallel = 4
+    job.num_samples_in_parallel, job.parallelism_auto = 4, True
     job.save()
     JobMetricSample.objects.filter(job=job).delete()
     now = timezone.now().replace(microsecond=0)  # two ticks inside each whole second
@@ -102,3 +110,21 @@ def test_history_shows_the_parallelism_an_adaptive_job_ran_at(alice, client):
     csv = client.get(reverse("dashboard:history") + "?format=csv").content.decode()
     assert csv.splitlines()[0].endswith("parallelism_run_mean,parallelism_run_min,parallelism_run_max")
     assert csv.splitlines()[1].endswith("41.0,20,64")
+
+
+def test_history_shows_a_fixed_job_at_its_parallelism(alice, client):
+    from django.urls import reverse
+
+    job = make_job(alice, make_dataset(alice), make_endpoint(alice), n_rollouts=10, state="completed", name="fixed")
+    job.num_samples_in_parallel = 32
+    job.save()
+    JobMetricSample.objects.filter(job=job).delete()
+    now = timezone.now()
+    # two chunks of 16 each; for a second the first is still draining while the second has finished
+    for k in range(5):
+        for w, p in (("w1 chunk 0", 16), ("w2 chunk 1", 16 if k < 4 else 0)):
+            JobMetricSample.objects.create(job=job, worker=w, t=now - timezone.timedelta(seconds=10 - k),
+                                           elapsed_s=k, completed=k, in_flight=p, parallelism=16)
+    client.force_login(alice)
+    html = client.get(reverse("dashboard:history")).content.decode()
+    assert "16–32" not in html and '<td class="parallel">32</td>' in html

@@ -28,7 +28,8 @@ def _rows(html: str) -> dict[str, dict]:
     out = {}
     for tr in re.findall(r'<tr class="replica-[a-z]+" data-url="[^"]+">.*?</tr>', html, re.S):
         url = re.search(r'data-url="([^"]+)"', tr).group(1)
-        cell = lambda cls: re.sub(r"<[^>]+>", "", re.search(rf'<td class="{cls}">(.*?)</td>', tr, re.S).group(1)).strip()
+        def cell(cls, tr=tr):
+            return re.sub(r"<[^>]+>", "", re.search(rf'<td class="{cls}">(.*?)</td>', tr, re.S).group(1)).strip()
         out[url] = {"state": cell("replica-state"), "requests": int(cell("replica-requests")),
                     "errors": int(cell("replica-errors")), "in_flight": int(cell("replica-in-flight")),
                     "reason": re.findall(r'<td class="small">(.*?)</td>', tr, re.S)[-1].strip()}

@@ -48,7 +48,10 @@ def test_job_page_shows_progress_charts_metrics_timing_and_actions(client_alice,
     # done / total from the job row
     assert f'<span data-field="done">{alice_job.done_count}</span>' in html
     series = resp.context["series"]
-    assert len(series["t"]) == 5 and series["samples_per_s"][-1] == 14.0 and "http_429" in series["error_classes"]
+    # the chart's rate is the live row's: stored ok rows in the window over its running seconds (5 s sampled)
+    assert len(series["t"]) == 6 and "http_429" in series["error_classes"]
+    assert series["samples_per_s"][-1] is None  # the job ended: its line ends
+    assert series["samples_per_s"][-2] == pytest.approx(alice_job.completed_count / 5, rel=0.01)
 
 
 def test_state_json_has_the_progress_event_fields(client_alice, alice_job):
@@ -68,7 +71,7 @@ def test_stored_summaries_are_shown_when_present(client_alice, alice_job):
 
 
 def test_panels_are_extensible(client_alice, alice_job, tmp_path, settings):
-    from controlplane.dashboard import panels
+    from controlplane import panels
 
     (tmp_path / "extra_panel.html").write_text('<section id="extra">extra {{ job.pk }} {{ panel_ctx.hello }}</section>')
     settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [*settings.TEMPLATES[0]["DIRS"], tmp_path]}]
@@ -123,7 +126,7 @@ def test_dataset_page_clips_a_huge_row(client_alice, alice):
     big = {"responses_create_params": {"input": [{"role": "user", "content": "x" * 3_000_000}]}, "expected_answer": "1"}
     ds = make_dataset(alice, rows=[big, *sum_rows(2)])
     html = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()
-    assert len(html) < 200_000 and "more characters (the whole row is in the export and the API)" in html
+    assert len(html) < 200_000 and "more characters (too long to show whole)" in html
     assert "What is" in html  # the other rows are shown whole
 
 
@@ -177,6 +180,10 @@ def test_compare_two_jobs_per_task(client_alice, alice):
     html = resp.content.decode()
     assert 'id="compare-summary"' in html and 'id="compare-params"' in html
     assert 'id="compare-profiles"' not in html  # neither job was profiled: no per-function section
+    # parameters as a user writes them, and a picker of checkboxes with the chosen ones ticked
+    params = html[html.index('id="compare-params"'):html.index("</table>", html.index('id="compare-params"'))]
+    assert "None" not in params and "{&#x27;" not in params and "<code>—</code>" in params
+    assert f'name="jobs" value="{a.pk}" id="pick-{a.pk}" checked' in html
 
 
 def test_history_and_csv_export(client_alice, alice_job):
@@ -190,7 +197,10 @@ def test_history_and_csv_export(client_alice, alice_job):
     assert len(rows) == 1
     row = rows[0]
     assert row["job_id"] == str(alice_job.pk) and row["rollouts"] == str(alice_job.done_count)
-    assert float(row["avg_reward"]) == 0.5 and abs(float(row["samples_per_sec"]) - alice_job.done_count / 60) < 0.05
+    # its running time is what its runs' samples cover: 5 ticks a second apart, 4.5 s of work (the first
+    # started half a tick before), not the 60 s from start to end
+    assert float(row["elapsed_sec"]) == pytest.approx(4.5, abs=0.1)
+    assert float(row["avg_reward"]) == 0.5 and abs(float(row["samples_per_sec"]) - alice_job.done_count / 4.5) < 0.05
 
 
 def _agents_section(html: str) -> list[tuple[str, int]]:

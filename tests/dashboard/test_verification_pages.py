@@ -25,7 +25,8 @@ FORM = {"num_repeats": 1, "num_samples_in_parallel": 2, "verify_mode": "inline",
         "verify_cache": "job"}
 
 
-def test_launch_form_takes_a_dotted_path_verifier(client_alice, alice, no_celery):
+def test_launch_form_takes_a_dotted_path_verifier(client_alice, alice, no_celery, settings):
+    settings.VERIFIER_PATH_MODULES = ["tests.verifier_plugins"]  # the operator lets users name its verifiers
     ds = make_dataset(alice, n=3)
     ep = make_endpoint(alice)
     page = client_alice.get(reverse("dashboard:dataset", args=[ds.pk])).content.decode()

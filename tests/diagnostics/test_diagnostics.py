@@ -105,7 +105,7 @@ def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_fac
     assert client.get("/api/jobs/999999/diagnosis/").status_code == 404
 
     # the job page's panel
-    from controlplane.dashboard.panels import JOB_PANELS
+    from controlplane.panels import JOB_PANELS
     from controlplane.diagnostics.views import panel_context
 
     assert "diagnosis" in [p.name for p in JOB_PANELS]

@@ -54,12 +54,17 @@ def collect_both(ng, inp, tmp_path, capsys):
     """The same tasks through NeMo Gym's ng_collect_rollouts (into tmp_path/ng) and the drop-in (into
     tmp_path/ours). Returns (their rows sorted by (task, rollout), ours as written, what the drop-in printed)."""
     (tmp_path / "ng").mkdir()
-    res = subprocess.run([str(ng.venv_bin / "ng_collect_rollouts"), *ng_args(ng, inp, tmp_path / "ng" / "rollouts.jsonl")],
+    # seeded: the simulator samples each repeat of a prompt by its seed, not by how often it saw the prompt before
+    # (the first tool's requests would otherwise shift the second's samples)
+    seeded = "+num_repeats_add_seed=true"
+    res = subprocess.run([str(ng.venv_bin / "ng_collect_rollouts"), *ng_args(ng, inp, tmp_path / "ng" / "rollouts.jsonl"),
+                          seeded],
                          cwd=str(tmp_path), env=ng.env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     theirs = sorted(read_jsonl(tmp_path / "ng" / "rollouts.jsonl"), key=key)
-    call_command("collect_rollouts", *ng_args(ng, inp, tmp_path / "ours" / "rollouts.jsonl"))
-    return theirs, read_jsonl(tmp_path / "ours" / "rollouts.jsonl"), capsys.readouterr().out
+    call_command("collect_rollouts", *ng_args(ng, inp, tmp_path / "ours" / "rollouts.jsonl"), seeded)
+    # both append in the order rollouts finish
+    return theirs, sorted(read_jsonl(tmp_path / "ours" / "rollouts.jsonl"), key=key), capsys.readouterr().out
 
 
 def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsys):
@@ -93,7 +98,8 @@ def test_drop_in_gives_the_rows_of_ng_collect_rollouts(nemo_gym, tmp_path, capsy
     assert job.endpoint.kind == "nemo_gym" and job.endpoint.model_name == AGENT
 
     # rerunning the same command resumes the same (completed) job: nothing collected twice
-    call_command("collect_rollouts", *ng_args(nemo_gym, inp, tmp_path / "ours" / "rollouts.jsonl"))
+    call_command("collect_rollouts", *ng_args(nemo_gym, inp, tmp_path / "ours" / "rollouts.jsonl"),
+                 "+num_repeats_add_seed=true")
     assert "already completed" in capsys.readouterr().err
     assert CollectionJob.objects.count() == 1 and Rollout.objects.count() == 24
 
@@ -142,7 +148,7 @@ def test_rows_route_by_agent_ref_and_a_500_is_a_failure_not_a_stop(nemo_gym, tmp
     routed = {r["_ng_task_index"]: r["agent_ref"]["name"] for r in ok}
     assert {t for t, a in routed.items() if a == SECOND_AGENT} == {1, 3, 5, 7, 9}
     assert {t for t, a in routed.items() if a == AGENT} == {0, 2, 6, 8}
-    failed = read_jsonl(out.with_name("rollouts_failures.jsonl"))
+    failed = sorted(read_jsonl(out.with_name("rollouts_failures.jsonl")), key=key)
     assert [key(r) for r in failed] == [(4, 0), (4, 1)]
     assert all(r["failure_class"] == "http_5xx" and "HTTP 500" in r["error"] for r in failed)
     agg = json.loads(out.with_name("rollouts_aggregate_metrics.json").read_text())
@@ -187,7 +193,7 @@ def test_agent_restarted_mid_job_gives_exactly_one_row_per_pair(nemo_gym, tmp_pa
     failures = list(Rollout.objects.filter(status=Rollout.Status.FAILED).values_list("failure_class", "error"))
     assert job.state == JobState.COMPLETED and job.completed_count == 60 and failures == []
     assert not Rollout.objects.values("task_index", "rollout_index").annotate(c=Count("id")).filter(c__gt=1).exists()
-    assert [key(r) for r in read_jsonl(out)] == [(t, 0) for t in range(60)]
+    assert sorted(key(r) for r in read_jsonl(out)) == [(t, 0) for t in range(60)]
     assert Rollout.objects.filter(attempts__gt=1).exists()  # some rows were retried across the restart
 
 
@@ -199,7 +205,7 @@ def test_remote_verifier_scores_the_products_generations(nemo_gym, tmp_path, cap
                  "+responses_create_params.max_output_tokens=64", "+verifier=nemo_gym",
                  f"+verifier_options.head_url={nemo_gym.head_url}", "+verifier_options.server=math_with_judge")
     assert "9 ok, 0 failed of 9" in capsys.readouterr().out
-    rows = read_jsonl(out)
+    rows = sorted(read_jsonl(out), key=key)
     assert [r["reward"] for r in rows] == [0.0 if i % 3 == 0 else 1.0 for i in range(9)]
     assert all("library_reward" in r and r["extracted_answer"] for r in rows)  # math_with_judge's own fields
     assert all(r["verify_ms"] is not None for r in Rollout.objects.all().values("verify_ms"))

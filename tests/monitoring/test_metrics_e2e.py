@@ -27,6 +27,7 @@ from controlplane.jobs import services
 from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 from tests.controlplane.test_jobs_e2e import Proc
 from tests.dashboard.servers import database_url, free_port
+from tests.lanes import serve_control
 
 N_TASKS, N_REPEATS, CHUNK = 600, 2, 100
 
@@ -94,7 +95,7 @@ def test_metrics_after_a_real_job_on_two_worker_processes(user, math_dataset, si
     env = {"WORKER_METRICS_PORT": str(worker_port), **os.environ, "DATABASE_URL": database_url(settings.DATABASES["default"]),
            "CELERY_TASK_DEFAULT_QUEUE": queue, "PROMETHEUS_MULTIPROC_DIR": str(prom_dir), "PYTHONUNBUFFERED": "1",
            "WORKER_HEARTBEAT_INTERVAL_S": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
-    celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", queue,
+    celery = [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2", "-Q", serve_control(queue),
               "--without-gossip", "--without-mingle", "-l", "info"]
     workers = [Proc(f"w{i}", [*celery, "-n", f"w{i}-{queue}@%h"], env, tmp_path) for i in (1, 2)]
     try:

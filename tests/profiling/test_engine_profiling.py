@@ -2,7 +2,6 @@
 control while a run goes on, snapshots as events; NeMo Gym's profile log parsed."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -308,7 +307,7 @@ def test_nemo_gym_stats_pulled_as_the_change_since_the_last_pull(tmp_path):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}/stats"
-        puller = StatsPuller([{"url": url, "log": str(log_path)}], session="s1", window_s=0)
+        puller = StatsPuller([{"url": url, "log": str(log_path)}], session="s1", window_s=0, log_dir=str(tmp_path))
         assert puller.poll() == []  # the first pull is the baseline
         snaps = puller.poll()
         assert calls["n"] == 2 and len(snaps) == 1

@@ -24,6 +24,7 @@ from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 
 from ..controlplane.test_jobs_e2e import Proc, _database_url
 from . import planted_fixed, planted_slow  # noqa: F401  (registered here too: job validation)
+from tests.lanes import serve_control
 
 PLUGINS = "tests.profiling.planted_slow,tests.profiling.planted_fixed"
 
@@ -34,7 +35,7 @@ def worker(tmp_path):
     env = {**os.environ, "DATABASE_URL": _database_url(), "CELERY_TASK_DEFAULT_QUEUE": queue,
            "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings", "VERIFIER_PLUGINS": PLUGINS}
     proc = Proc("worker", [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "threads", "-c", "2",
-                           "-Q", queue, "-n", f"w-{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
+                           "-Q", serve_control(queue), "-n", f"w-{queue}@%h", "--without-gossip", "--without-mingle", "-l", "info"],
                 env, tmp_path)
     proc.queue = queue
     yield proc

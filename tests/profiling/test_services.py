@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from controlplane.jobs import services as job_services
 from controlplane.profiling import services
-from controlplane.profiling.models import ProfileSession, ProfileSnapshot
+from controlplane.profiling.models import ProfileSession
 from workers.profiling.core import ProfileSnapshot as Snap, rows_from_yappi
 
 
@@ -69,21 +69,23 @@ def api(user):
     return c
 
 
-def test_on_off_through_the_api_with_clear_errors(api, job, django_user_model):
+def test_on_off_through_the_api_with_clear_errors(api, job, django_user_model, settings):
+    settings.PROFILING_STATS_LOG_DIR = "/tmp"  # the operator's: logs are read only under it
     url = f"/api/jobs/{job.pk}/profile/"
     assert api.get(url).json()["active"] is None
     assert api.post(url, {"seconds": 0}, format="json").status_code == 400
     assert api.post(url, {"scope": "everything"}, format="json").status_code == 400
     assert api.post(url, {"stats_urls": ["ftp://x"]}, format="json").status_code == 400
-    r = api.post(url, {"seconds": 60, "clock": "cpu", "stats_urls": [{"url": "http://127.0.0.1:1/stats",
+    # a server of the job's own deployment (its endpoint, 127.0.0.1:9): tests/security/test_stats_urls_scope.py
+    r = api.post(url, {"seconds": 60, "clock": "cpu", "stats_urls": [{"url": "http://127.0.0.1:9/stats",
                                                                       "log": "/tmp/x.log"}]}, format="json")
     assert r.status_code == 201 and r.json()["seconds"] == 60 and r.json()["clock"] == "cpu"
     active = api.get(url).json()["active"]
     assert active["id"] == r.json()["id"] and active["until"]
     cfg = services.config_for(services.active_session(job.pk))
     assert cfg.session == f"job{job.pk}-p{active['id']}" and cfg.clock == "cpu" and cfg.scope == "verify"
-    # a second request replaces the first
-    r2 = api.post(url, {"scope": "worker"}, format="json")
+    # a second request replaces the first (scope "worker" is staff-only: tests/security/test_worker_profiling.py)
+    r2 = api.post(url, {"scope": "verify", "clock": "wall"}, format="json")
     assert ProfileSession.objects.filter(job=job, stopped_at__isnull=True).count() == 1
     assert api.get(url).json()["active"]["id"] == r2.json()["id"]
     assert api.delete(url).json() == {"stopped": 1}
@@ -146,7 +148,7 @@ def test_tavg_growing_with_dataset_size_across_jobs(user, math_dataset, sim_endp
     big = job_services.create_job(owner=user, dataset=math_dataset(500), endpoint=ep, launch=False)
     for j, size in ((small, 2_000), (big, 200_000)):
         items = list(range(size))
-        rows = profiled_rows(lambda: [scan(items, size - 1) for _ in range(20)])
+        rows = profiled_rows(lambda: [scan(items, size - 1) for _ in range(20)])  # noqa: B023
         services.record(j.pk, [snap(services.start(j), rows, verifications=20, profiled=20)])
     flags = services.job_profile(big)["red_flags"]
     growth = [f for f in flags if f["kind"] == "growth"]

@@ -55,4 +55,5 @@ def make_dataset(owner, n=3):
 def make_endpoint(owner, url="http://127.0.0.1:9", **kw):
     from controlplane.endpoints.models import Endpoint
 
-    return Endpoint.objects.create(owner=owner, name="ep", base_url=url, model_name="m", **kw)
+    kw.setdefault("model_name", "m")
+    return Endpoint.objects.create(owner=owner, name="ep", base_url=url, **kw)

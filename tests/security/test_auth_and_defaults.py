@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 

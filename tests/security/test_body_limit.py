@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 
 import pytest
 from django.conf import settings

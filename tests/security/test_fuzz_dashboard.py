@@ -13,6 +13,8 @@ from schemathesis.checks import not_a_server_error
 from controlplane.dashboard import forms as f
 from tests.factories import add_rollouts, service_job
 
+pytestmark = pytest.mark.slow  # fuzzing, as tests/api/test_schemathesis.py: `make test` runs it
+
 MAX_EXAMPLES = 25
 
 

@@ -120,7 +120,7 @@ def test_health_next_parameter_stays_on_this_site(web, mallory):
     try:
         r = web.post(f"/endpoints/{ep.pk}/health/", {"next": "https://evil.example/phish"})
         assert r.status_code == 302 and r["Location"] == "/endpoints/"
-        r = web.post(f"/endpoints/{ep.pk}/health/", {"next": f"/endpoints/?x=1"})
+        r = web.post(f"/endpoints/{ep.pk}/health/", {"next": "/endpoints/?x=1"})
         assert r["Location"] == "/endpoints/?x=1"
     finally:
         app.control.purge()

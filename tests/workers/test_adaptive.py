@@ -2,7 +2,6 @@
 rate limit), then a real run on the simulator through the engine's Control and Sink protocols."""
 import random
 
-import pytest
 
 from workers.adaptive import AdaptiveConcurrency
 from workers.diagnosis.scenarios import rows_math, task_items

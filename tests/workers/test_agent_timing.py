@@ -5,7 +5,6 @@ and then spends `own_ms` on its own work. The engine splits each /run into the m
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import yaml

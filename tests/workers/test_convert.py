@@ -164,3 +164,25 @@ def test_stream_error_event_raises():
         acc.feed({"error": {"message": "boom"}})
     with pytest.raises(ValueError):
         StreamAccumulator("chat_completions").response()
+
+
+def test_vllm_token_ids_are_kept_on_the_message_streamed_or_not():
+    # vLLM with return_token_ids: the prompt's ids on the first chunk, each chunk's sampled ids (a byte piece may
+    # add no text: "\ufffd" later, or nothing yet)
+    acc = StreamAccumulator("chat_completions")
+    for ev in ({"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                "prompt_token_ids": [0, 3, 535]},
+               {"id": "c1", "choices": [{"index": 0, "delta": {"content": " 58"}, "token_ids": [638]}]},
+               {"id": "c1", "choices": [{"index": 0, "delta": {"content": ""}, "token_ids": [129]}]},
+               {"id": "c1", "choices": [{"index": 0, "delta": {"content": "\ufffd"}, "token_ids": [161],
+                                         "finish_reason": "length"}]}):
+        acc.feed(ev)
+    msg = acc.response()["output"][0]
+    assert (msg["prompt_token_ids"], msg["generation_token_ids"]) == ([0, 3, 535], [638, 129, 161])
+    chat = {"id": "c2", "prompt_token_ids": [0, 3], "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop", "token_ids": [55, 1]}]}
+    msg = to_response_from_chat(chat)["output"][0]
+    assert (msg["prompt_token_ids"], msg["generation_token_ids"]) == ([0, 3], [55, 1])
+    # without them (any other server), the message is as before
+    plain = to_response_from_chat({"id": "c3", "choices": [{"index": 0, "message": {"content": "7"}}]})["output"][0]
+    assert "generation_token_ids" not in plain and "prompt_token_ids" not in plain

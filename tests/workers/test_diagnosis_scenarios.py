@@ -1,8 +1,6 @@
 """The scenario suite: real runs on the simulator (real HTTP), each configured to be bound by one thing,
 diagnosed from the telemetry the run produced. Each run takes a few seconds."""
-import dataclasses
 
-import pytest
 
 from workers.diagnosis import CONTROL_PLANE, MODEL, NETWORK, VERIFICATION, diagnose_ticks
 from workers.diagnosis.scenarios import LoopBlockingSink, rows_math, task_items, use_scenario_verify_pool

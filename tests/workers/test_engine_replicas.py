@@ -197,3 +197,38 @@ async def test_a_hung_replica_is_cut_by_the_request_timeout_without_probes(simul
     reps = last_replicas(sink)
     assert reps[b.url]["state"] == "out" and "failed attempts in a row" in reps[b.url]["reason"], reps[b.url]
     assert reps[b.url]["cut"] == 0 and all(r.replica == a.url for r in sink.results if r.attempts > 1)
+
+
+def test_a_replica_taken_out_stays_out_for_the_next_runs_of_the_worker_until_a_probe_answers():
+    """Replica health is the worker process's, not the run's: a new run (a new chunk) starts with the replica the
+    worker knows to be out still out, and sends it nothing until it is put back."""
+    from workers.engine import replicas as rmod
+
+    rmod.forget_shared_health()
+    try:
+        urls = ["http://shared-a:1", "http://shared-b:1"]
+        first = ReplicaSet(urls, affinity=False, fail_threshold=2)
+        first.failed(1, "connection refused", replica_fault=True, unreachable=True)
+        assert not first.replicas[1].in_rotation
+        second = ReplicaSet(urls, affinity=False)  # the next chunk run in this process
+        assert not second.replicas[1].in_rotation and second.replicas[0].in_rotation
+        assert "earlier run of this worker" in second.replicas[1].reason
+        assert {second.pick(key=k) for k in range(20)} == {0}  # no request goes to it
+        assert second.replicas[1].next_probe <= time.monotonic()  # probed as the run starts
+        second._put_back(second.replicas[1], "health probe answered")  # what a probe answering 200 does
+        third = ReplicaSet(urls, affinity=False)
+        assert third.replicas[1].in_rotation and rmod.known_out() == {}
+        assert ReplicaSet(["http://shared-b:1"]).replicas[0].in_rotation  # one replica: nothing to route around
+    finally:
+        rmod.forget_shared_health()
+
+
+async def test_a_single_url_run_reports_its_replica_table(simulator_factory):
+    # the endpoint page's replica table and its health come from these ticks: a single URL is a replica too
+    live = simulator_factory(ttft_ms=5, itl_ms=1, jitter=0, seed=1)
+    sink = ListSink()
+    spec = spec_for(live, parallelism=8, verifier="none")
+    summary = await run_collection(spec, materialize(math_rows(20), 2), sink)
+    assert summary.completed == 40
+    reps = last_replicas(sink)
+    assert list(reps) == [live.url] and reps[live.url]["ok"] == 40 and reps[live.url]["state"] == "in"

@@ -66,7 +66,7 @@ def test_output_row_reattaches_indices_and_aggregate_entry_keeps_usage():
 
 
 def test_drop_in_arguments_select_the_nemo_gym_deployment():
-    from controlplane.jobs.management.commands.collect_rollouts import ArgError, parse_overrides
+    from controlplane.jobs.dropin_args import ArgError, parse_overrides
 
     base = ["+input_jsonl_fpath=in.jsonl", "+output_jsonl_fpath=out.jsonl"]
     cfg = parse_overrides(base + ["+agent_name=my_agent", "+head_server.host=10.0.0.5", "+head_server.port=11001"])

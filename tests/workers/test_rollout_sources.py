@@ -6,7 +6,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from workers.engine.runner import _Run, run_collection
+from workers.engine.runner import CollectionRun, run_collection
 from workers.engine.sources import run_class_for
 from workers.engine.types import CollectionSpec, EndpointSpec
 
@@ -42,11 +42,11 @@ def test_registered_sources_are_found_by_endpoint_kind_and_verifier():
     import workers.nemo_gym.engine as ng
 
     spec = CollectionSpec(endpoint=EndpointSpec(base_urls=["http://127.0.0.1:1"], model="m"))
-    assert run_class_for(spec, _Run) is _Run
-    assert run_class_for(replace(spec, endpoint=replace(spec.endpoint, api_flavor="nemo_gym_agent")), _Run) is ng.AgentRun
-    assert run_class_for(replace(spec, endpoint=replace(spec.endpoint, api_flavor="nemo_gym_head")), _Run) is ng.AgentRun
-    assert run_class_for(replace(spec, verifier="nemo_gym", verify_mode="inline"), _Run) is ng.RemoteVerifyRun
-    assert run_class_for(replace(spec, verifier="nemo_gym", verify_mode="deferred"), _Run) is _Run
+    assert run_class_for(spec, CollectionRun) is CollectionRun
+    assert run_class_for(replace(spec, endpoint=replace(spec.endpoint, api_flavor="nemo_gym_agent")), CollectionRun) is ng.AgentRun
+    assert run_class_for(replace(spec, endpoint=replace(spec.endpoint, api_flavor="nemo_gym_head")), CollectionRun) is ng.AgentRun
+    assert run_class_for(replace(spec, verifier="nemo_gym", verify_mode="inline"), CollectionRun) is ng.RemoteVerifyRun
+    assert run_class_for(replace(spec, verifier="nemo_gym", verify_mode="deferred"), CollectionRun) is CollectionRun
 
 
 def test_an_unregistered_endpoint_kind_is_refused_with_the_reason():

@@ -4,7 +4,8 @@ Why a client of its own: rollout traffic holds long streaming responses open. An
 through the same connection pool waits *on the client side* for a free connection, so a weight update
 that takes 0.4 s on the server can take many seconds end to end. This client therefore has:
 
-* its own aiohttp connector and session, created here and never handed to rollout code;
+* its own session (made by the outbound gate, workers.outbound: allow-list, checked and pinned addresses, no
+  redirects, capped reads), created here and never handed to rollout code;
 * no keep-alive reuse (`force_close=True`): every operation opens a fresh connection, so it never waits
   behind a connection that a stream or a half-read response still holds;
 * a timeout per operation kind (a replica that does not answer is reported, not waited on forever);
@@ -27,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+
+from workers import outbound
+from workers.disclosure import with_detail
 
 TRACE_HEADER = "X-Trace-Id"
 DEFAULT_TIMEOUTS_S = {
@@ -95,11 +99,9 @@ def parse_server_timing(value: str | None) -> float | None:
 
 
 def _transport_error(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect: {exc.os_error.strerror if exc.os_error else exc}"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
-    return f"{type(exc).__name__}: {exc}"[:300]
+    """The product's words for a failed request, with what the server said (a banner) as operators' detail."""
+    _fc, reason, detail, _retry = outbound.describe(exc)
+    return with_detail(reason, detail)
 
 
 class AdminClient:
@@ -114,16 +116,15 @@ class AdminClient:
         self.max_retries = max(0, min(int(max_retries), 10))
         self.backoff_s = backoff_s
         self.limit = limit
-        self._session: aiohttp.ClientSession | None = None
+        self._session: outbound.GatedSession | None = None
 
     async def __aenter__(self) -> "AdminClient":
         tc = aiohttp.TraceConfig()  # its default context carries our _Timing as trace_request_ctx
         tc.on_request_headers_sent.append(_on_headers_sent)
         tc.on_connection_create_start.append(_on_conn_start)
         tc.on_connection_create_end.append(_on_conn_end)
-        connector = aiohttp.TCPConnector(force_close=True, limit=self.limit, limit_per_host=0, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[tc],
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = outbound.gated_session(force_close=True, limit=self.limit, ttl_dns_cache=300,
+                                               trace_configs=[tc], max_bytes=MAX_BODY_BYTES)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -166,15 +167,16 @@ class AdminClient:
             # No redirects: a 3xx is the server's answer (following one would send an admin call, and read
             # back a page, wherever the server points: issue 12's SSRF). The body is read up to a cap.
             async with self._session.request(method, url, params=params, json=json_body, headers=headers,
-                                             timeout=tmo, trace_request_ctx=timing, allow_redirects=False) as resp:
+                                             timeout=tmo, trace_request_ctx=timing) as resp:
                 t_headers = time.perf_counter()
-                raw = await _read_capped(resp, MAX_BODY_BYTES)
-                t_end = time.perf_counter()
-                if len(raw) > MAX_BODY_BYTES:
+                try:
+                    raw = await resp.read()  # capped at MAX_BODY_BYTES by the gate
+                except outbound.ResponseTooLarge:
                     res.status, res.ok, res.body = resp.status, False, None
-                    res.wall_ms = round((t_end - t0) * 1000, 3)
+                    res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
                     res.error = f"HTTP {resp.status}: answer over {MAX_BODY_BYTES} bytes (not read)"
                     return False
+                t_end = time.perf_counter()
                 res.status = resp.status
                 server_ms = parse_server_timing(resp.headers.get("Server-Timing"))
                 if server_ms is not None:
@@ -196,30 +198,29 @@ class AdminClient:
                 except ValueError:
                     res.body = text[:2000]
                 res.ok = 200 <= resp.status < 300
-                if not res.ok:
-                    res.error = f"HTTP {resp.status}: {_error_message(res.body)}"[:500]
+                if not res.ok:  # the server's message is for operators (workers.disclosure)
+                    res.error = with_detail(f"HTTP {resp.status}", _error_message(res.body))[:500]
                 return resp.status >= 500
         except asyncio.TimeoutError:
             res.ok, res.timed_out = False, True
             res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
             res.error = f"no answer within {timeout_s:g} s"
             return False
+        except outbound.OutboundRefused as exc:  # not an allowed address: nothing sent, nothing to retry
+            res.ok = False
+            res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
+            res.error = f"not called: {exc.reason}"
+            return False
+        except outbound.ResponseTooLarge:
+            res.ok = False
+            res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
+            res.error = f"answer over {MAX_BODY_BYTES} bytes (not read)"
+            return False
         except aiohttp.ClientError as exc:
             res.ok = False
             res.wall_ms = round((time.perf_counter() - t0) * 1000, 3)
             res.error = _transport_error(exc)
             return True
-
-
-async def _read_capped(resp, cap: int) -> bytes:
-    """The body, or its first cap + 1 bytes when it is longer (the caller refuses it)."""
-    chunks, size = [], 0
-    async for chunk in resp.content.iter_chunked(64 * 1024):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > cap:
-            break
-    return b"".join(chunks)
 
 
 def _error_message(body) -> str:

@@ -23,7 +23,7 @@ SERVER_KINDS = ("simulator", "vllm")
 # directory of safetensors (which then becomes the model's path) or, without one, from the model's own
 # path (a trainer that overwrote its checkpoint there). vLLM's chat/completions answers carry no weight
 # version, so after the reload the control plane's version is set on the server (/update_weight_version,
-# readable at /weight_info) and rollouts are tagged by dispatch time (controlplane.endpoints.versions).
+# readable at /weight_info) and rollouts are tagged by dispatch time (controlplane.jobs.versions).
 VLLM_RELOAD_METHOD = "reload_weights"
 
 
@@ -136,21 +136,26 @@ class UpdateReport:
 async def update_weights_one(client, url: str, *, server: str, trace_id: str, path: str = "",
                              checkpoint_id: str = "", version: int | None = None,
                              pause_mode: str = "keep") -> list[OpResult]:
-    """pause(mode) -> update -> resume on one replica; resume is sent even when pause or update fail."""
-    steps = [await client.call(url, "POST", "/pause", kind="pause", params={"mode": pause_mode}, trace_id=trace_id)]
-    if steps[0].ok:
-        method, route, body = update_request(server, path=path, checkpoint_id=checkpoint_id, version=version)
-        upd = await client.call(url, method, route, kind="update_weights", json_body=body, trace_id=trace_id)
-        if upd.ok and server == "vllm" and isinstance(upd.body, dict) and upd.body.get("results") is not None:
-            results = upd.body["results"]
-            if any(isinstance(r, dict) and r.get("error") for r in results or []):
-                upd.ok, upd.error = False, f"reload failed on a worker: {results}"[:500]
-        steps.append(upd)
-        if upd.ok and server == "vllm" and version is not None:
-            # vLLM (>= 0.3x, dev mode) keeps a weight version of its own (GET /weight_info): set it to ours
-            steps.append(await client.call(url, "POST", "/update_weight_version", kind="set_weight_version",
-                                           json_body={"new_version": str(version)}, trace_id=trace_id))
-    steps.append(await client.call(url, "POST", "/resume", kind="resume", trace_id=trace_id))
+    """pause(mode) -> update -> resume on one replica; resume is sent even when pause or update fail, or the
+    run is cancelled at its deadline (run(deadline_s=...))."""
+    steps: list[OpResult] = []
+    try:
+        steps.append(await client.call(url, "POST", "/pause", kind="pause", params={"mode": pause_mode},
+                                       trace_id=trace_id))
+        if steps[0].ok:
+            method, route, body = update_request(server, path=path, checkpoint_id=checkpoint_id, version=version)
+            upd = await client.call(url, method, route, kind="update_weights", json_body=body, trace_id=trace_id)
+            if upd.ok and server == "vllm" and isinstance(upd.body, dict) and upd.body.get("results") is not None:
+                results = upd.body["results"]
+                if any(isinstance(r, dict) and r.get("error") for r in results or []):
+                    upd.ok, upd.error = False, f"reload failed on a worker: {results}"[:500]
+            steps.append(upd)
+            if upd.ok and server == "vllm" and version is not None:
+                # vLLM (>= 0.3x, dev mode) keeps a weight version of its own (GET /weight_info): set it to ours
+                steps.append(await client.call(url, "POST", "/update_weight_version", kind="set_weight_version",
+                                               json_body={"new_version": str(version)}, trace_id=trace_id))
+    finally:
+        steps.append(await client.call(url, "POST", "/resume", kind="resume", trace_id=trace_id))
     return steps
 
 
@@ -186,9 +191,18 @@ async def detect_server(client, url: str) -> str:
     return "vllm"
 
 
-def run(coro_fn, **client_kw):
-    """Run `coro_fn(client)` with a fresh AdminClient on a fresh event loop (for sync callers)."""
+def run(coro_fn, deadline_s: float | None = None, **client_kw):
+    """Run `coro_fn(client)` with a fresh AdminClient on a fresh event loop (for sync callers). With deadline_s,
+    the whole run is cancelled at that total deadline (a weight update's `finally` still sends its resume) and
+    TimeoutError raised."""
     async def main():
         async with AdminClient(**client_kw) as client:
             return await coro_fn(client)
-    return asyncio.run(main())
+
+    async def bounded():
+        try:
+            return await asyncio.wait_for(main(), deadline_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"passed its total deadline of {deadline_s:g} s") from None
+
+    return asyncio.run(main() if deadline_s is None else bounded())

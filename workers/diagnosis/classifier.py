@@ -17,6 +17,7 @@ Verdicts (the profiling guide's three bottlenecks, plus our own overhead):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,6 +84,7 @@ SWEEP_FLAT = 1.5  # below this: "time similar"
 RATE_LIMIT_HEADROOM = 1.0  # parallelism <= RPM/60 * latency * headroom
 GPU_MEMORY_UTILIZATION_TRAINING = 0.95
 TRUNCATED_SHARE = 0.5  # share of outputs stopped by the token limit: a truncation warning
+UNREACHABLE_SHARE = 0.90  # connection errors + timeouts on this share of attempts, none succeeded: unreachable
 RATE_CONNECTION_HEAVY = 0.20  # connection errors / timeouts on this share of attempts: a replica is down or hung
 REPLICA_CONCENTRATED = 0.70  # share of those errors on one replica: name it
 
@@ -296,12 +298,24 @@ def diagnose(ev: Evidence) -> Diagnosis:
     r.note("cpu_total_pct", ev.cpu_total_pct, "CPU of worker + verification pool, % of one core")
     r.note("cpu_cores", ev.cpu_cores, "cores on the worker host")
 
+    # ---- an endpoint that never answered: a verdict of its own, whatever the volume
+    conn_share = ((ev.rate_connection or 0) + (ev.rate_timeout or 0)) if ev.attempts else None
+    unreachable = not ev.n_ok and (
+        (conn_share is not None and conn_share >= UNREACHABLE_SHARE)
+        or "cannot reach" in (ev.failure_reason or "").lower())
+    if unreachable:
+        r.check("endpoint_unreachable", 1.0, 1.0,
+                "no request succeeded and they failed to connect or timed out (or the job failed: cannot reach)",
+                NETWORK, 10.0)
+
     # ---- verdict -----------------------------------------------------------------------------------
     scores = r.scores
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=True)
     (top, top_score), (_, second_score) = ranked[0], ranked[1]
     verdict = top
-    if ev.n_rollouts < MIN_ROLLOUTS or top_score < MIN_SCORE:
+    if unreachable:
+        verdict = NETWORK
+    elif ev.n_rollouts < MIN_ROLLOUTS or top_score < MIN_SCORE:
         verdict = INSUFFICIENT
     elif top_score == second_score:
         verdict = INSUFFICIENT
@@ -313,15 +327,47 @@ def diagnose(ev: Evidence) -> Diagnosis:
         confidence = round(min(0.97, 0.35 + 0.4 * margin + 0.25 * coverage), 2)
 
     subtype = ""
-    if verdict == MODEL:
+    par = int(round(ev.parallelism)) if ev.parallelism else None
+    if unreachable:
+        subtype, confidence = "unreachable", 0.95
+    elif verdict == MODEL:
         subtype = "server_saturated" if saturated else ("client_parallelism" if ev.vllm_scrapes or ev.gpu_count else "model_latency")
+        if subtype != "server_saturated" and par and ev.server_slots and par >= ev.server_slots:
+            subtype = "server_full"  # the server has no free slot for more requests: the capacity it prints
     diag = Diagnosis(verdict=verdict, confidence=confidence, summary="", evidence_items=r.items,
                      scores={k: round(v, 2) for k, v in scores.items()}, label=VERDICT_LABELS[verdict], subtype=subtype,
                      server_slots=ev.server_slots, server_slots_bound=ev.server_slots_bound)
     diag.recommendations = _replica_recommendations(ev) + _recommendations(verdict, subtype, ev, sweep_ratio)
     diag.conditions = _conditions(ev)
+    _agree(diag, ev)
     diag.summary = _summary(diag, ev)
     return diag
+
+
+RAISE_PARALLELISM = re.compile(r"(?<!not )\b(raise|increase) parallelism", re.I)
+
+
+def raises_parallelism(text: str) -> bool:
+    """Advice to run more requests at once ("Raise parallelism ...", "Increase parallelism ...")."""
+    return bool(RAISE_PARALLELISM.search(text or ""))
+
+
+def _room_for_more(diag: Diagnosis, ev: Evidence) -> bool:
+    """Whether the diagnosis's own verdict and capacity leave room to run more requests at once."""
+    if diag.verdict != MODEL or diag.subtype in ("server_saturated", "server_full"):
+        return False
+    par = int(round(ev.parallelism)) if ev.parallelism else None
+    return not (par and ev.server_slots and par >= ev.server_slots)
+
+
+def _agree(diag: Diagnosis, ev: Evidence) -> None:
+    """One voice: no next step or condition fix advises more parallelism when the verdict or the capacity
+    the diagnosis prints says it would not help (the verdict's own advice stands; a generic fix goes)."""
+    if _room_for_more(diag, ev):
+        return
+    diag.recommendations = [r for r in diag.recommendations if not raises_parallelism(r.action)]
+    for c in diag.conditions:
+        c.fixes = [f for f in c.fixes if not raises_parallelism(f)]
 
 
 # ------------------------------------------------------------------------------------ recommendations
@@ -473,6 +519,17 @@ def _recommendations(verdict: str, subtype: str, ev: Evidence, sweep_ratio: floa
                                        "profile_seconds", 60))
         recs.append(Recommendation("Do not raise parallelism: the model is not the limit",
                                    "More requests in flight only wait for the verifier.", None, None))
+    elif verdict == NETWORK and subtype == "unreachable":
+        recs.append(Recommendation(
+            "Start the model server (or fix the endpoint's URL), check its health on the endpoint's page, then resume "
+            "the job",
+            "No request reached it: "
+            + (f"{_fmt_pct((ev.rate_connection or 0) + (ev.rate_timeout or 0))} of {ev.attempts} request attempts "
+               "could not connect or timed out" if ev.attempts else "the job stopped because it cannot reach it")
+            + ". Nothing about the job's settings can be judged until it answers.", None, None))
+        recs.append(Recommendation(
+            "Do not change parallelism for this: no request got through",
+            "Throughput, timing and capacity figures mean nothing while the server is down.", None, None))
     elif verdict == NETWORK:
         conn = (ev.rate_connection or 0) + (ev.rate_timeout or 0)
         limited = (ev.rate_429 or 0) >= RATE_429 or (ev.rpm_limit and ev.throughput_rps
@@ -627,8 +684,15 @@ def _summary(d: Diagnosis, ev: Evidence) -> str:
         return "Not enough evidence: no signal stands out (scores " + ", ".join(f"{k} {v}" for k, v in d.scores.items()) + ")."
     held = [i.name for i in d.held() if i.supports == d.verdict]
     text = f"{d.label} bound ({int(d.confidence * 100)}% confidence): " + ", ".join(held) + "."
-    if d.verdict == MODEL and d.subtype == "server_saturated":
+    if d.subtype == "unreachable":
+        text = ("The endpoint is unreachable: no request succeeded"
+                + (f"; {_fmt_pct((ev.rate_connection or 0) + (ev.rate_timeout or 0))} of {ev.attempts} attempts could "
+                   "not connect or timed out." if ev.attempts else "; the job failed: cannot reach it."))
+    elif d.verdict == MODEL and d.subtype == "server_saturated":
         text += " The model server is saturated."
+    elif d.verdict == MODEL and d.subtype == "server_full":
+        text += (f" Parallelism {int(round(ev.parallelism))} already fills the server ({ev.server_slots_bound}): "
+                 "add replicas or raise max_num_seqs.")
     elif d.verdict == MODEL and d.subtype == "client_parallelism":
         text += " The server has room: raise parallelism."
     return text

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 from workers.engine.types import TIMING_FIELDS
 
@@ -117,6 +117,7 @@ class Evidence:
     # NeMo Gym agent jobs (ticks' extra["agent_timing"]): each rollout is one POST /run; its time splits into
     # the model server's (its /metrics) and the agent's own (its work, tools and its /verify call)
     agent_job: bool = False
+    failure_reason: str | None = None  # why the job failed, when it did (its error message)
     agent_run_ms: float | None = None  # mean /run time per rollout
     agent_model_ms: float | None = None  # model server time per rollout (all its calls)
     agent_model_calls: float | None = None  # model requests per rollout
@@ -161,6 +162,22 @@ def _stamp(t) -> float | None:
     return ts() if callable(ts) else None
 
 
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end] stretches."""
+    total = 0.0
+    cur_lo = cur_hi = None
+    for lo, hi in sorted(spans):
+        if cur_hi is None or lo > cur_hi:
+            if cur_hi is not None:
+                total += cur_hi - cur_lo
+            cur_lo, cur_hi = lo, hi
+        else:
+            cur_hi = max(cur_hi, hi)
+    if cur_hi is not None:
+        total += cur_hi - cur_lo
+    return total
+
+
 def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats: dict | None = None,
                    sweep: dict | None = None) -> Evidence:
     config = config or {}
@@ -180,6 +197,8 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     par_w: list[tuple[float, float]] = []
     throughput = 0.0
     longest = 0.0
+    ok_all = 0
+    spans: list[tuple[float, float]] = []  # wall-clock stretches when a run had work (runs may overlap)
     # second -> series -> (in_flight, parallelism): concurrent series (several workers, or several chunks
     # on one worker) add up to the job's in-flight count and parallelism
     active_by_second: dict[int, dict[str, tuple[float, float]]] = {}
@@ -204,12 +223,15 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
                 in_flight_w.append((t.get("in_flight") or 0, dt))
                 par_w.append((t.get("parallelism") or 0, dt))
                 stamp = _stamp(t.get("t"))
+                if stamp is not None:
+                    spans.append((stamp - dt, stamp))
                 if stamp is not None and (t.get("in_flight") or 0) > 0:  # a finished run holds no slots
                     active_by_second.setdefault(int(stamp), {})[gid] = (t.get("in_flight") or 0, t.get("parallelism") or 0)
             prev_ok, prev_done, prev_elapsed = completed, completed + failed, elapsed
         if active_time > 0:
             throughput += ok_total / active_time
             longest = max(longest, active_time)
+            ok_all += ok_total
         ok, failed = _run_totals(g)
         ev.n_ok += ok
         ev.n_failed += failed
@@ -217,6 +239,19 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     ev.duration_s = round(longest, 3) if longest else None
     if longest > 0:
         ev.throughput_rps = throughput
+    union = _union_s(spans)
+    if union > 0 and len(spans) == len(per_tick_rps):  # all ticks stamped: runs one after another add no rates
+        ev.duration_s = round(union, 3)
+        ev.throughput_rps = ok_all / union
+    if rollout_stats and rollout_stats.get("n") is not None:
+        # the stored rows win over the runs' own counters (a killed run's unstored results, resumed runs)
+        ev.n_ok = int(rollout_stats.get("ok") or 0)
+        ev.n_failed = int(rollout_stats.get("failed") or 0)
+        ev.n_rollouts = int(rollout_stats["n"])
+    if rollout_stats and rollout_stats.get("running_s"):
+        # the job's figure (controlplane.jobs.figures): stored ok rows over its running time, pauses excluded
+        ev.duration_s = round(float(rollout_stats["running_s"]), 3)
+        ev.throughput_rps = ev.n_ok / float(rollout_stats["running_s"])
     steady = per_tick_rps[1:-1] if len(per_tick_rps) >= 5 and len(groups) == 1 else []  # drop ramp-up and tail
     if len(steady) >= 3:
         m = statistics.fmean(steady)
@@ -241,6 +276,10 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
     if rollout_stats and rollout_stats.get("error_counts"):
         for k, v in rollout_stats["error_counts"].items():
             counts[k] = max(counts.get(k, 0), int(v))
+    if rollout_stats and rollout_stats.get("failure_classes"):  # rows that failed: at least one attempt each
+        for k, v in rollout_stats["failure_classes"].items():
+            if k in REQUEST_ERROR_CLASSES:
+                counts[k] = max(counts.get(k, 0), int(v))
     ev.error_counts = counts
     request_errors = sum(counts.get(k, 0) for k in REQUEST_ERROR_CLASSES)
     ev.attempts = ev.n_ok + request_errors
@@ -329,6 +368,7 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
                             ("verifier", "verifier", str)):
         if config.get(key) not in (None, "", 0):
             setattr(ev, attr, cast(config[key]))
+    ev.failure_reason = config.get("failure_reason") or None
     ev.sweep = sweep
     _capacity(ev, vl_all, vl, ticks, config)
     return ev

@@ -99,7 +99,7 @@ def rows_math(n: int, seed: int = 0) -> list[dict]:
 
     rnd = random.Random(seed)
     rows = []
-    for i in range(n):
+    for _i in range(n):
         a, b = rnd.randint(1, 99), rnd.randint(1, 99)
         rows.append({
             "responses_create_params": {"input": [{"role": "user", "content": f"What is {a} + {b}?"}]},

@@ -125,6 +125,20 @@ def _sampling_params(params: dict) -> dict:
     return body
 
 
+def _extra_body(params: dict) -> dict:
+    """metadata.extra_body (a JSON object in a string, as NeMo Gym's num_repeats_add_seed writes it): fields a
+    NeMo Gym vLLM model server passes on to the model (e.g. "seed")."""
+    metadata = params.get("metadata")
+    raw = metadata.get("extra_body") if isinstance(metadata, dict) else None
+    if not isinstance(raw, str):
+        return {}
+    try:
+        extra = json.loads(raw)
+    except ValueError:
+        return {}
+    return extra if isinstance(extra, dict) else {}
+
+
 def build_request(flavor: str, params: dict, model: str, stream: bool) -> tuple[str, dict]:
     """(path, JSON body) for one request. `params` are the row's merged responses_create_params."""
     if flavor == "chat_completions":
@@ -145,6 +159,8 @@ def build_request(flavor: str, params: dict, model: str, stream: bool) -> tuple[
         body = dict(params)
     else:
         raise ValueError(f"unknown api_flavor {flavor!r}; expected one of {', '.join(PATHS)}")
+    if flavor != "responses":
+        body.update(_extra_body(params))
     body["model"] = model
     if stream:
         body["stream"] = True
@@ -180,15 +196,23 @@ def usage_from_chat(usage: dict | None) -> dict | None:
     )
 
 
-def _response_object(rid, created, model, text, finish_reason, usage, reasoning_text=None, tool_calls=None) -> dict:
+def _response_object(rid, created, model, text, finish_reason, usage, reasoning_text=None, tool_calls=None,
+                     prompt_token_ids=None, generation_token_ids=None) -> dict:
+    """`prompt_token_ids` / `generation_token_ids`: what vLLM answers with `return_token_ids` (the tokens it read
+    and sampled), kept on the message item under NeMo Gym's names for training, so a trainer scores exactly the
+    sampled tokens (the text alone does not give them back: byte pieces decode to U+FFFD)."""
     output: list[dict] = []
     if reasoning_text:
         output.append({"id": f"rs_{rid}", "type": "reasoning", "summary": [{"type": "summary_text", "text": reasoning_text}]})
     if text or not tool_calls:
-        output.append({
+        message = {
             "id": f"msg_{rid}", "type": "message", "role": "assistant", "status": "completed",
             "content": [{"type": "output_text", "text": text or "", "annotations": []}],
-        })
+        }
+        if generation_token_ids is not None:
+            message["prompt_token_ids"] = list(prompt_token_ids or [])
+            message["generation_token_ids"] = list(generation_token_ids)
+        output.append(message)
     for call in tool_calls or []:
         fn = call.get("function") or {}
         output.append({"id": f"fc_{call.get('id', '')}", "type": "function_call", "call_id": call.get("id", ""),
@@ -225,6 +249,7 @@ def to_response_from_chat(chat: dict) -> dict:
     return _response_object(
         chat.get("id") or _new_id(), chat.get("created"), chat.get("model"), message.get("content") or "",
         choice.get("finish_reason"), usage_from_chat(chat.get("usage")), reasoning, message.get("tool_calls"),
+        chat.get("prompt_token_ids"), choice.get("token_ids"),
     )
 
 
@@ -276,7 +301,8 @@ class StreamAccumulator:
     `response()` returns the Responses object once the stream is done.
     """
 
-    __slots__ = ("flavor", "id", "created", "model", "text", "reasoning", "finish_reason", "usage", "tool_calls", "final")
+    __slots__ = ("flavor", "id", "created", "model", "text", "reasoning", "finish_reason", "usage", "tool_calls", "final",
+                 "prompt_token_ids", "token_ids")
 
     def __init__(self, flavor: str):
         self.flavor = flavor
@@ -289,6 +315,8 @@ class StreamAccumulator:
         self.usage = None
         self.tool_calls: dict[int, dict] = {}
         self.final = None  # responses flavor: the response.completed payload
+        self.prompt_token_ids = None  # vLLM's return_token_ids: the prompt's (first chunk) and each chunk's sampled
+        self.token_ids: list[int] | None = None
 
     def feed(self, event: dict) -> bool:
         if self.flavor == "responses":
@@ -302,10 +330,16 @@ class StreamAccumulator:
             self.model = event.get("model")
         if event.get("usage"):
             self.usage = event["usage"]
+        if event.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = event["prompt_token_ids"]
         content = False
         for choice in event.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue
+            if choice.get("token_ids") is not None:
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(choice["token_ids"])
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
             if self.flavor == "completions":
@@ -357,7 +391,7 @@ class StreamAccumulator:
         calls = [self.tool_calls[i] for i in sorted(self.tool_calls)] or None
         return _response_object(
             self.id, self.created, self.model, "".join(self.text), self.finish_reason,
-            usage_from_chat(self.usage), "".join(self.reasoning) or None, calls,
+            usage_from_chat(self.usage), "".join(self.reasoning) or None, calls, self.prompt_token_ids, self.token_ids,
         )
 
 

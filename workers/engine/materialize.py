@@ -4,7 +4,7 @@ Shared by the engine, the Django side (job chunks) and the CLI.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from workers.task_index import rollout_indices
 
@@ -51,12 +51,48 @@ def materialize(rows: Iterable[tuple[int, dict[str, Any]]], num_repeats: int = 1
             yield TaskItem(task_index=task_index, rollout_index=rollout_index, row=row)
 
 
-def materialize_tasks(rows: Iterable[tuple[int, int, dict[str, Any]]], num_repeats: int = 1) -> Iterator[TaskItem]:
+def materialize_tasks(rows: Iterable[tuple[int, int, dict[str, Any]]], num_repeats: "int | Callable[[dict], int]" = 1
+                      ) -> Iterator[TaskItem]:
     """TaskItems from stored rows that carry NeMo Gym's numbering: `rows` yields (task index, occurrence, row)
     and the row's rollouts are occurrence*R .. occurrence*R+R-1 (identical lines share a task index and
-    continue its rollout count, as ng_collect_rollouts does; workers/task_index.py)."""
-    if num_repeats < 1:
+    continue its rollout count, as ng_collect_rollouts does; workers/task_index.py). `num_repeats`: R, or a
+    function of the row (row_repeats: NeMo Gym's num_repeats per agent)."""
+    if not callable(num_repeats) and num_repeats < 1:
         raise ValueError("num_repeats must be >= 1")
     for task_index, occurrence, row in rows:
-        for rollout_index in rollout_indices(occurrence, num_repeats):
+        r = num_repeats(row) if callable(num_repeats) else num_repeats
+        for rollout_index in rollout_indices(occurrence, r):
             yield TaskItem(task_index=task_index, rollout_index=rollout_index, row=row)
+
+
+def with_seed(row: dict, rollout_index: int) -> dict:
+    """NeMo Gym's num_repeats_add_seed: a copy of `row` whose responses_create_params.metadata.extra_body (a JSON
+    string) carries "seed": the rollout index (vLLM model servers pass extra_body on to the model)."""
+    import json
+
+    rcp = dict(row.get("responses_create_params") or {})
+    metadata = dict(rcp.get("metadata") or {})
+    extra = json.loads(metadata.get("extra_body", "{}"))
+    extra["seed"] = rollout_index
+    metadata["extra_body"] = json.dumps(extra)
+    rcp["metadata"] = metadata
+    return {**row, "responses_create_params": rcp}
+
+
+def row_repeats(num_repeats: int, options: dict | None) -> "int | Callable[[dict], int]":
+    """R for every row, or, with NeMo Gym's per-agent num_repeats (options["repeats_by_agent"]:
+    {agent: n, "_default": n}), a function of the row: its agent_ref's name, else options["default_agent"]."""
+    by_agent = (options or {}).get("repeats_by_agent")
+    if not by_agent:
+        return num_repeats
+    default_agent = (options or {}).get("default_agent")
+
+    def repeats(row: dict) -> int:
+        ref = row.get("agent_ref")
+        name = (ref.get("name") if isinstance(ref, dict) else None) or default_agent
+        n = by_agent.get(name, by_agent.get("_default"))
+        if n is None:
+            raise ValueError(f"num_repeats has no entry for agent {name!r} and no '_default'")
+        return int(n)
+
+    return repeats

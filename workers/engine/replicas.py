@@ -18,6 +18,11 @@
   replica (a hung server would otherwise hold them for the whole request timeout). When every replica is out, requests still go to the least loaded one
   (a request that succeeds puts its replica back at once): the job never waits on probes alone.
 
+* **Shared across runs**: a worker process runs many chunks, each with its own ReplicaSet. What one run learns
+  (a replica taken out of rotation, put back) is kept per replica URL for the whole process, so a new run starts
+  with a replica the worker knows to be out still out (probed at once: the first probe that answers 200 puts
+  it back), instead of sending it requests until its own breaker trips again.
+
 The run that owns a ReplicaSet calls `pick()` before an attempt, `begin()` / `end()` around it and
 `succeeded()` / `failed()` after it; `snapshot()` gives the per-replica load for progress ticks. Probes
 run in `probe_loop()`, a task the run starts when there are several replicas; they use their own
@@ -26,15 +31,34 @@ aiohttp session, so a hung replica never holds a connection the requests need.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from workers import outbound
+from workers.disclosure import public
+
 OVERLOAD_FACTOR = 2.0
 OVERLOAD_SLACK = 8
 HUNG_SUFFIX = " (hung)"
 CUT_MESSAGE = "replica cut"
+
+
+# url -> (since: wall clock, reason) of the replicas out of rotation, as this process last saw them
+_OUT: dict[str, tuple[float, str]] = {}
+_OUT_LOCK = threading.Lock()
+
+
+def known_out() -> dict[str, tuple[float, str]]:
+    with _OUT_LOCK:
+        return dict(_OUT)
+
+
+def forget_shared_health() -> None:
+    with _OUT_LOCK:
+        _OUT.clear()
 
 
 class ReplicaCut(Exception):
@@ -85,8 +109,14 @@ class ReplicaSet:
         self.rr = 0
         self._wake: asyncio.Event | None = None
         now = time.monotonic()
+        out = known_out() if self.n > 1 else {}
         for r in self.replicas:
             r.next_probe = now  # probed as the run starts
+            if r.url in out:  # another run of this process took it out: it stays out until a probe answers
+                r.in_rotation = False
+                r.since, reason = out[r.url]
+                r.reason = f"{reason} (out since an earlier run of this worker)"[:300]
+                r.probe_backoff_s = self.probe_min_s
 
     # ---------------------------------------------------------------- routing
     def pick(self, key: int | None = None, exclude: set[int] | frozenset = frozenset()) -> int:
@@ -130,13 +160,13 @@ class ReplicaSet:
         refused connection takes the replica out at once (nothing listens there)."""
         r = self.replicas[idx]
         r.errors += 1
-        r.last_error = message
+        r.last_error = public(message)  # ticks reach every user: never what a server said
         if not replica_fault:
             return
         r.consecutive_faults += 1
         if r.in_rotation and self.n > 1 and (unreachable or r.consecutive_faults >= self.fail_threshold):
             why = "cannot connect" if unreachable else f"{r.consecutive_faults} failed attempts in a row"
-            self._take_out(r, f"{why}: {message}"[:300])
+            self._take_out(r, f"{why}: {public(message)}"[:300])
 
     def _take_out(self, r: Replica, reason: str) -> None:
         r.in_rotation = False
@@ -145,6 +175,8 @@ class ReplicaSet:
         r.times_out += 1
         r.probe_backoff_s = self.probe_min_s
         r.next_probe = time.monotonic() + r.probe_backoff_s
+        with _OUT_LOCK:
+            _OUT[r.url] = (r.since, reason)
         if self._wake is not None:
             self._wake.set()
 
@@ -154,6 +186,8 @@ class ReplicaSet:
         r.reason = ""
         r.consecutive_faults = 0
         r.next_probe = time.monotonic() + self.health_interval_s
+        with _OUT_LOCK:
+            _OUT.pop(r.url, None)
 
     def _cut_attempts(self, r: Replica) -> None:
         """Cancel the attempts in flight on a hung replica; the run retries them on another (see track())."""
@@ -182,10 +216,10 @@ class ReplicaSet:
         return [r.as_dict() for r in self.replicas]
 
     # ---------------------------------------------------------------- probes
-    async def _probe(self, session: aiohttp.ClientSession, r: Replica) -> tuple[bool, str]:
+    async def _probe(self, session, r: Replica) -> tuple[bool, str]:
         r.probes += 1
         try:
-            async with session.get(r.url + self.health_path, headers=self.headers, allow_redirects=False) as resp:
+            async with session.get(r.url + self.health_path, headers=self.headers, max_bytes=65536) as resp:
                 await resp.content.read(65536)
                 if resp.status == 200:
                     return True, ""
@@ -198,7 +232,8 @@ class ReplicaSet:
             os_error = getattr(exc, "os_error", None)
             return False, f"cannot connect: {getattr(os_error, 'strerror', None) or exc}"[:300]
         except (aiohttp.ClientError, OSError) as exc:
-            return False, f"{self.health_path}: {type(exc).__name__}: {exc}"[:300]
+            _fc, reason, _detail, _retry = outbound.describe(exc)
+            return False, f"{self.health_path}: {reason}"[:300]
 
     async def _probe_and_apply(self, session, r: Replica) -> None:
         ok, why = await self._probe(session, r)
@@ -224,9 +259,8 @@ class ReplicaSet:
             return
         self._wake = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s, sock_connect=self.probe_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a fresh connection per probe
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                         headers={"User-Agent": "rollout-engine-probe"}) as session:
+        async with outbound.gated_session(limit=0, force_close=True, timeout=timeout,  # a fresh connection per probe
+                                          headers={"User-Agent": "rollout-engine-probe"}) as session:
             busy: dict[int, asyncio.Task] = {}
             try:
                 while True:

@@ -2,7 +2,8 @@
 
 Shape of a run
 --------------
-* One aiohttp ClientSession for the whole run (connector limit sized to parallelism).
+* One session for the whole run (connector limit sized to parallelism), made by the outbound gate
+  (workers.outbound.gated_session: allow-list, checked and pinned addresses, no redirects, capped reads).
 * A feeder coroutine pulls TaskItems lazily from the given (async) iterable into a queue, never
   holding more than `max_resident` tasks (default 2 x parallelism) between reading a task and emitting
   its result (queued + in flight + being emitted). Plain synchronous iterators other than in-memory
@@ -45,27 +46,30 @@ from typing import AsyncIterable, Iterable
 
 import aiohttp
 
+from workers import outbound, tracing
+from workers.disclosure import with_detail
 from workers.verifiers import get_verifier
 from workers.verifiers.base import Verifier
 from workers.verifiers.execution import VerifyExecutor
 
-from .convert import StreamAccumulator, build_request, convert_answer, decode_sse_events, response_text
+from .attempt import Abandon, AttemptError, new_trace_id, send_attempt, traceparent
+from .convert import build_request, response_text
 from .fdlimit import check_open_file_limit
-from .materialize import merge_overrides
+from .materialize import merge_overrides, with_seed
 from .sources import run_class_for
-from .pacing import TokenBucket, backoff_delay, parse_retry_after
+from .pacing import TokenBucket, backoff_delay
 from .replicas import ReplicaCut, ReplicaSet
 from .types import (
     CollectionSpec, Control, ControlState, FailureClass, ProgressTick, RolloutResult, RunSummary, Sink, TaskItem,
 )
 from .verify_pool import SHARED_VERIFY_POOL, RemoteVerifierError, VerifyBatcher, VerifyPool
 
+
+
 log = logging.getLogger(__name__)
 
 CONTROL_POLL_S = 0.5
-WEIGHT_VERSION_HEADERS = ("X-Weight-Version", "X-Model-Weight-Version")
 _ITER_BATCH = 64
-_DRAIN_AFTER_DONE_S = 1.0  # how long a stream's end is awaited after [DONE] to keep its connection
 _END = object()
 
 
@@ -100,36 +104,25 @@ class _Residency:
             self.event.set()
 
 
-class _AttemptError(Exception):
-    def __init__(self, failure_class: str, message: str, retryable: bool, retry_after: float | None = None,
-                 unreachable: bool = False):
-        super().__init__(message)
-        self.unreachable = unreachable  # could not even connect (vs. a connection dropped mid-answer)
-        self.failure_class = failure_class
-        self.retryable = retryable
-        self.retry_after = retry_after
-
-
-class _Abandon(Exception):
-    """The run is stopping: drop this task without emitting it."""
-
-
-def _error_reason(exc: BaseException) -> str:
-    """A short, human reason: "Connection refused", "Name or service not known", "Server disconnected"."""
-    text = str(exc) or type(exc).__name__
-    os_error = getattr(exc, "os_error", None) if isinstance(exc, aiohttp.ClientConnectorError) else exc
-    if isinstance(os_error, OSError):
-        errno_ = os_error.errno
-        if isinstance(errno_, int) and errno_ > 0:
-            text = os.strerror(errno_)
-        elif os_error.strerror:
-            text = str(os_error.strerror)
-    return text
-
-
 # -------------------------------------------------------------------------------------------- the run
 
-class _Run:
+class CollectionRun:
+    """One run of the engine, and the plug-in point of every rollout source (workers.engine.sources picks the
+    class; workers.nemo_gym.engine subclasses it). The run owns slots, residency, pacing, control, progress
+    and the sink; a source changes what one task does by overriding these hooks:
+
+    * `process_task(item, t_enqueued)`: one task from its slot to its result; ends with `emit(result)`, or
+      raises `Abandon` to drop the task when the run stops.
+    * `attempt(url, body, result)`: one request; returns the answer or raises `AttemptError`.
+    * `verify(row, response, result)`: scores a response into `result` (called when `self.verifier` is set).
+    * `tick()`: the ProgressTick of the interval (a subclass adds to `tick.extra`).
+    * `run(tasks)`: the whole run; a subclass that needs setup around it (a session, a background task)
+      wraps `super().run(tasks)`.
+
+    And calls these: `emit(result)` (count a finished rollout, hand it to the sink) and `stop(cancel, grace)`
+    (stop taking tasks; e.g. when nothing was ever reachable). Everything with a leading underscore is the
+    run's own machinery."""
+
     ROUTES_REPLICAS = True  # requests spread over base_urls by the ReplicaSet (NeMo Gym agent runs route their own)
 
     def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None, verify_pool: VerifyPool | None = None):
@@ -200,6 +193,13 @@ class _Run:
         self.feeder: asyncio.Task | None = None
         self.iter_executor: ThreadPoolExecutor | None = None
         self.control_executor: ThreadPoolExecutor | None = None
+        # OpenTelemetry spans (workers.tracing): None when tracing is off, the only test the hot path then makes
+        self.tracer: tracing.RunTracer | None = None
+        if spec.tracing is not None:
+            try:
+                self.tracer = tracing.run_tracer(spec.tracing)
+            except Exception:  # a broken exporter set-up never stops the collection
+                log.exception("tracing disabled for this run")
 
         # interval counters for progress ticks
         self.tick_ok = 0
@@ -258,7 +258,7 @@ class _Run:
         except Exception as exc:  # the task iterator failed: stop the run with a clear message
             log.exception("task iterator failed")
             self.fatal_error = f"reading tasks failed: {type(exc).__name__}: {exc}"
-            self._stop(cancel=True)
+            self.stop(cancel=True)
             return
         await self.queue.put(_END)
 
@@ -282,16 +282,16 @@ class _Run:
                     return
                 self.workers[me] = "busy"
                 try:
-                    await self._process(*entry)
+                    await self.process_task(*entry)
                 finally:
                     self.resident.release()
-        except (asyncio.CancelledError, _Abandon):
+        except (asyncio.CancelledError, Abandon):
             pass
         except Exception as exc:  # a bug: surface it instead of silently losing a worker
             log.exception("engine worker failed")
             if not self.fatal_error:
                 self.fatal_error = f"internal engine error: {type(exc).__name__}: {exc}"
-            self._stop(cancel=True)
+            self.stop(cancel=True)
         finally:
             self.workers.pop(me, None)
             self.n_workers -= 1
@@ -319,7 +319,7 @@ class _Run:
                     excess -= 1
             # busy workers over the target retire after their current task
 
-    def _stop(self, cancel: bool, grace: float = 0.0):
+    def stop(self, cancel: bool, grace: float = 0.0):
         """Stop taking tasks. cancel=True: cancel in-flight work now; else after `grace` seconds."""
         if not self.stopping:
             self.stopping = True
@@ -350,9 +350,11 @@ class _Run:
         out = body.get("max_tokens") or body.get("max_output_tokens") or self.avg_output_tokens
         return chars / 4 + float(out)
 
-    async def _process(self, item: TaskItem, t_enqueued: float):
+    async def process_task(self, item: TaskItem, t_enqueued: float):
         spec = self.spec
         row = merge_overrides(item.row, spec.responses_create_params)
+        if spec.add_seed:
+            row = with_seed(row, item.rollout_index)
         out_row = dict(row)
         result = RolloutResult(task_index=item.task_index, rollout_index=item.rollout_index, ok=False, output_row=out_row, attempts=0)
         try:
@@ -371,6 +373,8 @@ class _Run:
                 await self.tpm.acquire(estimate)
         t_slot = time.monotonic()
         result.queue_ms = (t_slot - t_enqueued) * 1000.0
+        if self.tracer is not None:
+            self._trace_rollout(result, t_slot - t_enqueued)
         self.in_flight += 1
         if self.in_flight > self.max_in_flight_seen:
             self.max_in_flight_seen = self.in_flight
@@ -389,23 +393,37 @@ class _Run:
                 out_row["response"] = response
                 result.ok = True
                 if self.verifier is not None:
-                    await self._verify(row, response, result)
+                    await self.verify(row, response, result)
             elif unreachable and self.completed == 0 and self.other_outcomes == 0:
                 # nothing has ever come back from the endpoint: stop the run, emit nothing
                 if not self.fatal_error:
                     self.fatal_error = result.error
-                self._stop(cancel=True)
-                raise _Abandon()
+                self.stop(cancel=True)
+                raise Abandon()
             out_row["_ng_task_index"] = item.task_index
             out_row["_ng_rollout_index"] = item.rollout_index
             result.wall_ms = (time.monotonic() - t_slot) * 1000.0
         finally:
             self.in_flight -= 1
 
-        await self._emit(result)
+        await self.emit(result)
 
-    async def _emit(self, result: RolloutResult) -> None:
+    def _trace_rollout(self, result: RolloutResult, waited_s: float) -> None:
+        """Start the rollout's span (tracing on): its trace id is the rollout's, set now."""
+        if not result.trace_id:
+            result.trace_id = new_trace_id()
+        try:
+            self.tracer.rollout_start(result, waited_s)
+        except Exception:
+            log.exception("tracing: rollout span")
+
+    async def emit(self, result: RolloutResult) -> None:
         """Count a finished rollout and hand it to the sink (every kind of run ends a rollout here)."""
+        if self.tracer is not None:
+            try:
+                self.tracer.rollout_end(result)
+            except Exception:
+                log.exception("tracing: rollout span")
         if result.ok:
             self.completed += 1
             self.tick_ok += 1
@@ -422,8 +440,8 @@ class _Run:
             log.exception("sink.rollout failed")
             if self.sink_error is None:
                 self.sink_error = exc
-            self._stop(cancel=True)
-            raise _Abandon() from exc
+            self.stop(cancel=True)
+            raise Abandon() from exc
         finally:
             if me in self.workers:
                 self.workers[me] = "busy"
@@ -452,14 +470,14 @@ class _Run:
             try:
                 try:
                     if replicas.n > 1 and self.ROUTES_REPLICAS:
-                        response = await replicas.track(idx, self._attempt(url, body, result))
+                        response = await replicas.track(idx, self.attempt(url, body, result))
                     else:
-                        response = await self._attempt(url, body, result)
+                        response = await self.attempt(url, body, result)
                 except ReplicaCut as cut:
-                    raise _AttemptError(FailureClass.TIMEOUT, str(cut), True) from None
+                    raise AttemptError(FailureClass.TIMEOUT, str(cut), True) from None
                 replicas.succeeded(idx)
                 return response, False
-            except _AttemptError as err:
+            except AttemptError as err:
                 self.tick_errors[err.failure_class] += 1
                 replica_fault = err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT, FailureClass.HTTP_5XX)
                 if err.failure_class in (FailureClass.CONNECTION, FailureClass.TIMEOUT):
@@ -469,9 +487,9 @@ class _Run:
                     result.failure_class = err.failure_class
                     retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
                     if err.unreachable:
-                        result.error = f"cannot reach {self.base_urls[idx]}: {err}{retries}"
+                        result.error = with_detail(f"cannot reach {self.base_urls[idx]}: {err}{retries}", err.detail)
                     else:
-                        result.error = f"{err}{retries}"
+                        result.error = with_detail(f"{err}{retries}", err.detail)
                     return None, err.unreachable
                 retry_after = err.retry_after
                 if replica_fault and replicas.n > 1:
@@ -482,124 +500,45 @@ class _Run:
             attempt += 1
             if switch:
                 if self.stopping:
-                    raise _Abandon()
+                    raise Abandon()
                 continue
             delay = backoff_delay(attempt - 1, ep.backoff_base_s, ep.backoff_max_s, retry_after)
             try:
                 await asyncio.wait_for(self.stop_event.wait(), delay)
             except asyncio.TimeoutError:
                 continue
-            raise _Abandon()  # stopping while backing off: leave the task for the next run
+            raise Abandon()  # stopping while backing off: leave the task for the next run
 
-    async def _attempt(self, url: str, body: dict, result: RolloutResult) -> dict:
-        flavor = self.ep.api_flavor
-        t_sent = time.monotonic()
+    async def attempt(self, url: str, body: dict, result: RolloutResult) -> dict:
+        """One request of the rollout (attempt.send_attempt); AttemptError when it failed. Its `traceparent`
+        carries the rollout's trace id and a new span id (the request span's when tracing is on)."""
+        if not result.trace_id:  # the rollout's, for all its requests (model, agent, verifier)
+            result.trace_id = new_trace_id()
+        tracer = self.tracer
+        if tracer is None:
+            return await self._send(url, body, result, traceparent(result.trace_id))  # W3C: one span per attempt
+        span = tracer.child(result, "request", {"url.full": url, "request.attempt": result.attempts})
+        header = traceparent(result.trace_id) if span is None else tracer.traceparent(result, span)
         try:
-            cap = self.ep.max_response_bytes
-            async with self.session.post(url, json=body, headers=self.headers, timeout=self.timeout,
-                                         allow_redirects=False) as resp:
-                status = resp.status
-                if (resp.content_length or 0) > cap:
-                    raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
-                if status != 200:
-                    text = (await resp.content.read(4096)).decode("utf-8", "replace")[:300]
-                    retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-                    if status == 429:
-                        raise _AttemptError(FailureClass.HTTP_429, f"HTTP 429 from {url}: {text}", True, retry_after)
-                    if status >= 500:
-                        raise _AttemptError(FailureClass.HTTP_5XX, f"HTTP {status} from {url}: {text}", True, retry_after)
-                    if status == 408:
-                        raise _AttemptError(FailureClass.TIMEOUT, f"HTTP 408 from {url}: {text}", True, retry_after)
-                    raise _AttemptError(FailureClass.HTTP_4XX, f"HTTP {status} from {url}: {text}", status == 409, retry_after)
-                for name in WEIGHT_VERSION_HEADERS:
-                    if name in resp.headers:
-                        result.weight_version = resp.headers[name]
-                        break
-                ctype = resp.headers.get("Content-Type", "")
-                if self.spec.stream and "text/event-stream" in ctype:
-                    acc = StreamAccumulator(flavor)
-                    t_first = t_last = None
-                    buf = b""
-                    done = False
-                    seen = 0
-                    async for chunk in resp.content.iter_any():
-                        seen += len(chunk)
-                        if seen > cap:
-                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
-                        buf += chunk
-                        if b"\n" not in chunk:
-                            continue
-                        t_chunk = time.monotonic()  # the events of one read arrived together
-                        lines = buf.split(b"\n")
-                        buf = lines.pop()
-                        events = []
-                        for line in lines:
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if not data:
-                                continue
-                            if data == b"[DONE]":
-                                done = True
-                                break
-                            events.append(data)
-                        for event in decode_sse_events(events):
-                            if acc.feed(event):
-                                t_last = t_chunk
-                                if t_first is None:
-                                    t_first = t_chunk
-                        if done:
-                            break
-                    if done and not resp.content.at_eof():
-                        await self._drain_after_done(resp)
-                    if not done and acc.id is None and acc.final is None:
-                        raise _AttemptError(FailureClass.CONNECTION, f"stream from {url} ended before any data", True)
-                    response = acc.response()
-                    now = time.monotonic()
-                    result.ttft_ms = ((t_first or now) - t_sent) * 1000.0
-                    result.generation_ms = ((t_last or now) - (t_first or now)) * 1000.0
-                else:
-                    raw = bytearray()
-                    async for chunk in resp.content.iter_chunked(1 << 16):
-                        raw += chunk
-                        if len(raw) > cap:
-                            raise _AttemptError(FailureClass.BAD_RESPONSE, f"response from {url} over {cap} bytes", False)
-                    payload = json.loads(raw)
-                    if isinstance(payload, dict) and payload.get("weight_version") and not result.weight_version:
-                        result.weight_version = str(payload["weight_version"])
-                    response = convert_answer(flavor, payload)
-                    result.ttft_ms = (time.monotonic() - t_sent) * 1000.0
-                    result.generation_ms = None
-                return response
-        except _AttemptError:
+            response = await self._send(url, body, result, header)
+        except AttemptError as err:
+            tracer.end(span, f"{err.failure_class}: {err}", {"error.type": err.failure_class})
             raise
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise _AttemptError(FailureClass.CONNECTION, f"connect timed out after {self.ep.connect_timeout_s:g}s", True,
-                                unreachable=True) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise _AttemptError(FailureClass.CONNECTION, _error_reason(exc), True, unreachable=True) from exc
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            elapsed = time.monotonic() - t_sent
-            raise _AttemptError(FailureClass.TIMEOUT, f"request to {url} timed out after {elapsed:.1f}s", True) from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
-            raise _AttemptError(FailureClass.CONNECTION, _error_reason(exc), True) from exc
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # JSON or shape errors
-            raise _AttemptError(FailureClass.BAD_RESPONSE, f"bad response from {url}: {type(exc).__name__}: {exc}", False) from exc
+        except BaseException as exc:
+            tracer.end(span, type(exc).__name__)
+            raise
+        tracer.end(span, "", {"gen_ai.response.weight_version": result.weight_version})
+        return response
 
-    @staticmethod
-    async def _drain_after_done(resp) -> None:
-        """Read the end of a stream after `[DONE]` (the chunked body's last chunk, which often arrives in a
-        later read): a response released before its end closes its connection, and at thousands of requests
-        in flight a new TCP connection per request costs more CPU than the request itself. A server that
-        keeps the stream open after `[DONE]` only loses the connection, as before."""
-        try:
-            await asyncio.wait_for(resp.content.read(), _DRAIN_AFTER_DONE_S)
-        except (asyncio.TimeoutError, aiohttp.ClientError, ConnectionError):
-            pass
+    async def _send(self, url: str, body: dict, result: RolloutResult, parent: str) -> dict:
+        return await send_attempt(self.session, url, body, result, flavor=self.ep.api_flavor, stream=self.spec.stream,
+                                  headers={**self.headers, "traceparent": parent}, timeout=self.timeout,
+                                  connect_timeout_s=self.ep.connect_timeout_s, max_bytes=self.ep.max_response_bytes)
 
-    async def _verify(self, row: dict, response: dict, result: RolloutResult):
+    async def verify(self, row: dict, response: dict, result: RolloutResult):
         spec = self.spec
         text = response_text(response)
+        span = None if self.tracer is None else self.tracer.child(result, "verify", {"verifier.name": spec.verifier})
         t0 = time.monotonic()
         try:
             vr = await self.vexec.verify(row, text)
@@ -617,10 +556,14 @@ class _Run:
             result.reward = 0.0
             result.output_row["reward"] = 0.0
             self.tick_errors[FailureClass.VERIFIER_ERROR] += 1
+        finally:
+            if span is not None:
+                self.tracer.end(span, result.error if result.failure_class == FailureClass.VERIFIER_ERROR else "",
+                                {"rollout.reward": result.reward})
         result.verify_ms = (time.monotonic() - t0) * 1000.0
 
     # ---------------------------------------------------------------- progress and control
-    def _tick(self) -> ProgressTick:
+    def tick(self) -> ProgressTick:
         now = time.monotonic()
         dt = max(1e-9, now - self.last_tick)
         tick = ProgressTick(
@@ -638,8 +581,8 @@ class _Run:
         if len(self.base_urls) > 1:
             tick.extra["replica_errors"] = dict(self.tick_replica_errors)
             self.tick_replica_errors = Counter()
-            if self.ROUTES_REPLICAS:  # per-replica load, errors and rotation state (cumulative for this run)
-                tick.extra["replicas"] = self.replicas.snapshot()
+        if self.ROUTES_REPLICAS:  # per-replica load, errors and rotation state (cumulative for this run); a
+            tick.extra["replicas"] = self.replicas.snapshot()  # single URL too: the endpoint page's table
         self.tick_ok = self.tick_finished = self.tick_tokens = 0
         self.tick_errors = Counter()
         self.max_in_flight_seen = self.in_flight
@@ -650,7 +593,7 @@ class _Run:
         while True:
             await asyncio.sleep(self.spec.progress_interval_s)
             try:
-                await self.sink.progress(self._tick())
+                await self.sink.progress(self.tick())
             except Exception:
                 log.exception("sink.progress failed")
 
@@ -665,11 +608,11 @@ class _Run:
             if state is not None:
                 if state.action == "cancel":
                     self.cancelled = True
-                    self._stop(cancel=True)
+                    self.stop(cancel=True)
                     return
                 if state.action == "pause":
                     self.paused = True
-                    self._stop(cancel=False, grace=float(getattr(self.spec, "pause_grace_s", 10.0)))
+                    self.stop(cancel=False, grace=float(getattr(self.spec, "pause_grace_s", 10.0)))
                     return
                 if state.parallelism:
                     self._set_parallelism(state.parallelism)
@@ -683,11 +626,12 @@ class _Run:
     # ---------------------------------------------------------------- main
     async def run(self, tasks) -> RunSummary:
         check_open_file_limit(self.target)  # one socket per request in flight
-        self.connector = aiohttp.TCPConnector(limit=self.target, limit_per_host=0, ttl_dns_cache=300)
         aux: list[asyncio.Task] = []
         try:
-            async with aiohttp.ClientSession(connector=self.connector, timeout=self.timeout,
-                                             headers={"User-Agent": "rollout-engine"}) as session:
+            async with outbound.gated_session(limit=self.target, timeout=self.timeout, ttl_dns_cache=300,
+                                              headers={"User-Agent": "rollout-engine"},
+                                              max_bytes=self.ep.max_response_bytes) as session:
+                self.connector = session.connector
                 self.session = session
                 aux.append(self.loop.create_task(self._progress_loop()))
                 if self.ROUTES_REPLICAS and self.replicas.n > 1:
@@ -705,7 +649,7 @@ class _Run:
                     await self.done_event.wait()
                 except asyncio.CancelledError:  # the caller cancelled us: stop promptly, then re-raise
                     self.cancelled = True
-                    self._stop(cancel=True)
+                    self.stop(cancel=True)
                     await asyncio.gather(*self.workers, return_exceptions=True)
                     raise
                 if self.feeder is not None:
@@ -717,7 +661,7 @@ class _Run:
                 task.cancel()
             await asyncio.gather(*aux, return_exceptions=True)
             try:
-                await self.sink.progress(self._tick())
+                await self.sink.progress(self.tick())
             except Exception:
                 log.exception("sink.progress failed")
             if self.vexec is not None:
@@ -725,14 +669,28 @@ class _Run:
             for ex in (self.iter_executor, self.control_executor):
                 if ex is not None:
                     ex.shutdown(wait=False, cancel_futures=True)
-            await self.sink.close()
+            try:
+                await self.sink.close()
+            finally:
+                if self.tracer is not None:
+                    await self._close_tracer()
         if self.sink_error is not None:
             raise self.sink_error
+        return self._summary()
+
+    def _summary(self) -> RunSummary:
         return RunSummary(
             completed=self.completed, failed=self.failed, cancelled=self.cancelled and not self.fatal_error,
             paused=self.paused and not self.cancelled and not self.fatal_error,
             elapsed_s=time.monotonic() - self.t0, fatal_error=self.fatal_error,
         )
+
+    async def _close_tracer(self) -> None:
+        """End the chunk span and flush the export, in a thread (the exporter's HTTP call blocks)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.close, self._summary())
+        except Exception:
+            log.exception("tracing: closing the run's spans")
 
 
 async def run_collection(
@@ -750,7 +708,7 @@ async def run_collection(
     """
     try:
         # other sources (NeMo Gym agents' /run, remote /verify) are registered by their packages
-        run = run_class_for(spec, _Run)(spec, sink, control, verify_pool)
+        run = run_class_for(spec, CollectionRun)(spec, sink, control, verify_pool)
     except ValueError as exc:
         await sink.close()
         return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0, fatal_error=str(exc))

@@ -1,6 +1,6 @@
 """Rollout sources: which run class collects a job, by endpoint kind or by verifier.
 
-The built-in engine (`runner._Run`) talks to model servers (chat completions, completions, Responses API).
+The built-in engine (`runner.CollectionRun`) talks to model servers (chat completions, completions, Responses API).
 Other sources of rollouts - a NeMo Gym agent's `/run`, a model driven by the engine but scored by a remote
 `/verify` - live in their own packages and register here when imported (workers.nemo_gym.engine does), so
 the engine never imports them: the dependency runs one way, plugin -> engine.

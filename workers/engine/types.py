@@ -71,6 +71,8 @@ class CollectionSpec:
     verify_cache_claim_s: float = 60.0  # how long others wait for a worker computing the same work (it may have died)
     worker_name: str = ""
     pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
+    add_seed: bool = False  # NeMo Gym's num_repeats_add_seed: metadata.extra_body {"seed": rollout index}
+    tracing: Any = None  # a workers.tracing.TraceConfig: OpenTelemetry spans of the run (None: off)
 
 
 @dataclass
@@ -97,8 +99,10 @@ class RolloutResult:
     input_tokens: int | None = None
     output_tokens: int | None = None
     attempts: int = 1
-    weight_version: str = ""
+    weight_version: str = ""  # the weights it was generated with (at dispatch)
+    completed_version: str = ""  # the weights in force when it completed ('' = same as weight_version / unknown)
     replica: str = ""  # base URL of the replica that served the last attempt (several replicas only)
+    trace_id: str = ""  # W3C trace id (32 hex) of the rollout: every model request carries it in `traceparent`
 
 
 # The per-rollout timings, in stage order: RolloutResult's attributes, the Rollout table's columns and the keys

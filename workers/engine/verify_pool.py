@@ -134,6 +134,25 @@ class VerifyPool:
             list(executor.map(initializer, *([arg] * executor._max_workers for arg in initargs)))
         return executor
 
+    def prewarm(self, verifier: str, size: int | None = None) -> None:
+        """Start the processes and run `verifier` once in each, now (blocking; the CLI calls it from a thread
+        while Django sets up). An engine run meanwhile does not wait for it (VerifyBatcher.warm)."""
+        executor = self.executor(size)
+        if getattr(executor, "_engine_warm", False):
+            return
+        executor._engine_warming = True
+        list(executor.map(_warm_verifier, [verifier] * executor._max_workers))
+        executor._engine_warm = True
+
+    def kill(self) -> None:
+        """Kill the verifier processes at once (a process about to exit: nothing waits for them)."""
+        executor = self._executor
+        for proc in list((getattr(executor, "_processes", None) or {}).values()):
+            try:
+                proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop the verifier processes (the next `executor()` starts new ones)."""
         with self._lock:
@@ -197,6 +216,13 @@ class VerifyBatcher:
         self.pending: deque = deque()  # (args, future, times its batch was on a crashed pool)
         self.inflight = 0
         self.isolating = False  # a suspect of a pool crash is running alone
+        self._held = None  # the pool's executor, held between dispatches (no lock taken per rollout)
+
+    def _executor(self):
+        held = self._held
+        if held is None or held is not self.pool._executor:  # first use, or the pool was replaced / discarded
+            held = self._held = self.pool.executor(self.processes)
+        return held
 
     def verify(self, name: str, row: dict, text: str, options: dict, fast: bool) -> asyncio.Future:
         fut = self.loop.create_future()
@@ -208,7 +234,7 @@ class VerifyBatcher:
         executor = None
         while self.pending and not self.isolating:
             if executor is None:
-                executor = self.pool.executor(self.processes)
+                executor = self._executor()
             if self.inflight >= executor._max_workers + 1:
                 return
             suspect = self.pending[0][2] > 0
@@ -291,6 +317,8 @@ class VerifyBatcher:
         `stop_event` is set."""
         executor = self.pool.executor(self.processes)
         if getattr(executor, "_engine_warm", False):
+            return
+        if getattr(executor, "_engine_warming", False):  # being warmed (the CLI's start): send requests meanwhile
             return
         warm = asyncio.gather(*(self.loop.run_in_executor(executor, _warm_verifier, verifier)
                                 for _ in range(executor._max_workers)))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import yaml
 
+from workers import outbound
+
 SERVER_TYPES = {"responses_api_agents": "agent", "resources_servers": "resources", "responses_api_models": "model"}
 DEFAULT_HEAD_HOST = "127.0.0.1"  # NeMo Gym's head_server defaults
 DEFAULT_HEAD_PORT = 11000
@@ -37,6 +39,9 @@ class Server:
 class Deployment:
     head_url: str
     servers: dict[str, Server]
+    # ng_run's own profiling keys (+profiling_enabled, +profiling_results_dirpath) and its +config_paths: where
+    # each server writes <server>.log when /stats is called (workers.profiling.nemo_gym.server_log_dirs)
+    profiling: dict = field(default_factory=dict)
 
     def by_kind(self, kind: str) -> dict[str, Server]:
         return {n: s for n, s in self.servers.items() if s.kind == kind}
@@ -127,51 +132,63 @@ def parse_config(head: str, payload) -> Deployment:
                                     upstream=[u for u in upstream if isinstance(u, str) and u.startswith("http")])
     if not servers:
         raise DeploymentError(f"{head} lists no NeMo Gym servers in its config")
-    return Deployment(head_url=head, servers=servers)
+    paths = cfg.get("config_paths")
+    paths = [p for p in (paths if isinstance(paths, list) else [paths]) if isinstance(p, str)]
+    dirpath = cfg.get("profiling_results_dirpath")
+    profiling = {"enabled": cfg.get("profiling_enabled") is True,
+                 "dirpath": dirpath if isinstance(dirpath, str) else None, "config_paths": paths}
+    return Deployment(head_url=head, servers=servers, profiling=profiling)
 
 
-async def resolve(head: str, *, timeout_s: float = 10.0, session: aiohttp.ClientSession | None = None) -> Deployment:
-    """The deployment behind a head server URL (async)."""
+CONFIG_MAX_BYTES = 4 * 1024 * 1024  # a head server's config (YAML in a JSON string) is small
+
+
+def _unreachable(head: str, exc: BaseException) -> DeploymentError:
+    _fc, reason, _detail, _retry = outbound.describe(exc)  # the product's words: never what the server said
+    return DeploymentError(f"cannot reach the NeMo Gym head server {head}: {reason}")
+
+
+async def resolve(head: str, *, timeout_s: float = 10.0, session=None) -> Deployment:
+    """The deployment behind a head server URL (async; `session`: a gated session to reuse). Every server it
+    lists is called through the outbound gate later, so a config cannot point the workers anywhere the
+    operator does not allow."""
     head = head.rstrip("/")
-    own = session is None
-    session = session or aiohttp.ClientSession()
+    url = f"{head}/global_config_dict_yaml"
     try:
-        async with session.get(f"{head}/global_config_dict_yaml", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {resp.status}")
-            body = await resp.read()
-    except DeploymentError:
-        raise
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise DeploymentError(f"cannot reach the NeMo Gym head server {head}: {type(exc).__name__}: {exc}") from None
-    finally:
-        if own:
-            await session.close()
+        if session is None:
+            reply = await outbound.fetch("GET", url, timeout_s=timeout_s, max_bytes=CONFIG_MAX_BYTES)
+            status, body = reply.status, reply.body
+        else:
+            async with session.get(url, timeout_s=timeout_s, max_bytes=CONFIG_MAX_BYTES) as resp:
+                status, body = resp.status, await resp.read()
+    except (outbound.OutboundError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise _unreachable(head, exc) from None
+    if status != 200:
+        raise DeploymentError(f"{url} answered HTTP {status}")
     return parse_config(head, body)
 
 
 def resolve_sync(head: str, *, timeout_s: float = 10.0) -> Deployment:
-    """The deployment behind a head server URL (blocking, for Django views and commands)."""
-    import requests
-
+    """The deployment behind a head server URL (blocking, for Celery tasks and commands)."""
     head = head.rstrip("/")
     try:
-        resp = requests.get(f"{head}/global_config_dict_yaml", timeout=timeout_s)
-    except requests.RequestException as exc:
-        raise DeploymentError(f"cannot reach the NeMo Gym head server {head}: {type(exc).__name__}") from None
-    if resp.status_code != 200:
-        raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {resp.status_code}")
-    return parse_config(head, resp.content)
+        reply = outbound.fetch_sync("GET", f"{head}/global_config_dict_yaml", timeout_s=timeout_s,
+                                    max_bytes=CONFIG_MAX_BYTES)
+    except outbound.OutboundError as exc:
+        raise _unreachable(head, exc) from None
+    if reply.status != 200:
+        raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {reply.status}")
+    return parse_config(head, reply.body)
 
 
 def server_instances_sync(head: str, *, timeout_s: float = 10.0) -> list[dict]:
     """`GET {head}/server_instances`: every server the head started (name, host, port, pid ...)."""
-    import requests
-
     try:
-        resp = requests.get(f"{head.rstrip('/')}/server_instances", timeout=timeout_s)
-        resp.raise_for_status()
-        data = resp.json()
-    except (requests.RequestException, ValueError) as exc:
+        reply = outbound.fetch_sync("GET", f"{head.rstrip('/')}/server_instances", timeout_s=timeout_s,
+                                    max_bytes=CONFIG_MAX_BYTES)
+        if reply.status != 200:
+            raise DeploymentError(f"{head}/server_instances answered HTTP {reply.status}")
+        data = reply.json()
+    except (outbound.OutboundError, ValueError) as exc:
         raise DeploymentError(f"{head}/server_instances: {type(exc).__name__}") from None
     return data if isinstance(data, list) else []

@@ -20,9 +20,12 @@ from dataclasses import replace
 
 import aiohttp
 
+from workers import outbound
+from workers.disclosure import with_detail
 from workers.engine.pacing import backoff_delay
 from workers.engine.sources import register_flavor, register_verifier
-from workers.engine.runner import _Abandon, _AttemptError, _Run, _error_reason
+from workers.engine.attempt import Abandon, AttemptError, new_trace_id, traceparent
+from workers.engine.runner import CollectionRun
 from workers.engine.types import FailureClass, RolloutResult, RunSummary, TaskItem
 from workers.telemetry.vllm import VllmScraper
 
@@ -31,6 +34,7 @@ from .deployment import DeploymentError, resolve
 from .rows import FAILURE_CLASS_KEY, agent_of, output_row, run_body, verify_fields
 
 RERESOLVE_MIN_INTERVAL_S = 2.0
+VERIFY_MAX_BYTES = 4 * 1024 * 1024  # a /verify answer is one small JSON object
 MODEL_SCRAPE_INTERVAL_S = 2.0  # the model server's /metrics, for the agent / model split of /run time
 
 
@@ -62,7 +66,7 @@ class _LastTickWaitsForScrape:
         await self._inner.close()
 
 
-class AgentRun(_Run):
+class AgentRun(CollectionRun):
     ROUTES_REPLICAS = False  # its base URLs are a head server or agents, routed by _urls_for
 
     def __init__(self, spec, sink, control, verify_pool=None):
@@ -121,8 +125,8 @@ class AgentRun(_Run):
         finally:
             await scraper.close()
 
-    def _tick(self):
-        tick = super()._tick()
+    def tick(self):
+        tick = super().tick()
         tick.extra["agent_timing"] = dict(self.timing)
         return tick
 
@@ -143,11 +147,13 @@ class AgentRun(_Run):
                 await self._resolve()
             except DeploymentError as exc:
                 await self.sink.close()
+                await self._end_tracer_early()
                 return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0,
                                   fatal_error=str(exc))
             if self.default_agent and self.default_agent not in self.agent_urls:
                 await self.sink.close()
                 known = ", ".join(sorted(a for a in self.agent_urls if a)) or "none"
+                await self._end_tracer_early()
                 return RunSummary(completed=0, failed=0, cancelled=False, paused=False, elapsed_s=0.0,
                                   fatal_error=f"the deployment at {self.head} has no agent {self.default_agent!r} "
                                               f"(agents: {known})")
@@ -162,14 +168,19 @@ class AgentRun(_Run):
                 self.scrape_task.cancel()
                 await asyncio.gather(self.scrape_task, return_exceptions=True)
 
+    async def _end_tracer_early(self) -> None:
+        """The run stops before it starts: its chunk span still ends (and is exported)."""
+        if self.tracer is not None:
+            await self._close_tracer()
+
     def _urls_for(self, agent: str | None) -> list[str] | None:
         if self.head is None:
             return self.agent_urls[None]
         return self.agent_urls.get(agent)
 
-    async def _process(self, item: TaskItem, t_enqueued: float):
+    async def process_task(self, item: TaskItem, t_enqueued: float):
         body = run_body(item.row, self.default_agent, self.spec.responses_create_params, item.task_index,
-                        item.rollout_index)
+                        item.rollout_index, add_seed=self.spec.add_seed)
         result = RolloutResult(task_index=item.task_index, rollout_index=item.rollout_index, ok=False,
                                output_row=body, attempts=0)
         agent = agent_of(body, self.default_agent)
@@ -178,12 +189,14 @@ class AgentRun(_Run):
             routable = False
             result.failure_class = FailureClass.BAD_INPUT
             known = ", ".join(sorted(a for a in self.agent_urls if a)) or "none"
-            result.error = (f"the row names no agent (no agent_ref and no agent name on the job)" if agent is None else
+            result.error = ("the row names no agent (no agent_ref and no agent name on the job)" if agent is None else
                             f"the row routes to agent {agent!r}, which the deployment does not have (agents: {known})")
         if routable and self.rpm is not None:
             await self.rpm.acquire(1)
         t_slot = time.monotonic()
         result.queue_ms = (t_slot - t_enqueued) * 1000.0
+        if self.tracer is not None:
+            self._trace_rollout(result, t_slot - t_enqueued)
         self.in_flight += 1
         self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
         try:
@@ -195,12 +208,12 @@ class AgentRun(_Run):
             elif unreachable and self.completed == 0 and self.other_outcomes == 0:
                 if not self.fatal_error:
                     self.fatal_error = result.error
-                self._stop(cancel=True)
-                raise _Abandon()
+                self.stop(cancel=True)
+                raise Abandon()
             result.wall_ms = (time.monotonic() - t_slot) * 1000.0
         finally:
             self.in_flight -= 1
-        await self._emit(result)
+        await self.emit(result)
 
     def _take_answer(self, answer, body: dict, result: RolloutResult) -> None:
         if not isinstance(answer, dict):
@@ -216,7 +229,9 @@ class AgentRun(_Run):
         failure = answer.get(FAILURE_CLASS_KEY)
         if failure:
             result.failure_class = f"agent:{failure}"[:40]
-            result.error = str(answer.get("error") or answer.get("_ng_failure_message") or f"agent failure {failure}")[:2000]
+            # the agent's own words are its server's text: operators read them, users the class
+            result.error = with_detail(f"agent failure {str(failure)[:40]}",
+                                       str(answer.get("error") or answer.get("_ng_failure_message") or ""))[:2000]
             return
         result.reward = _number(answer.get("reward"))
         result.ok = True
@@ -233,16 +248,16 @@ class AgentRun(_Run):
             url = urls[attempt % len(urls)] + "/run"
             result.attempts = attempt + 1
             try:
-                return await self._attempt(url, body, result), False
-            except _AttemptError as err:
+                return await self.attempt(url, body, result), False
+            except AttemptError as err:
                 self.tick_errors[err.failure_class] += 1
                 if err.unreachable and self.head is not None:
                     await self._reresolve()
                 if not err.retryable or attempt >= ep.max_retries:
                     result.failure_class = err.failure_class
                     retries = f" after {attempt} retr{'y' if attempt == 1 else 'ies'}" if attempt else ""
-                    result.error = (f"cannot reach agent {agent or ''} at {url}: {err}{retries}" if err.unreachable
-                                    else f"{err}{retries}")
+                    result.error = with_detail(f"cannot reach agent {agent or ''} at {url}: {err}{retries}"
+                                               if err.unreachable else f"{err}{retries}", err.detail)
                     return None, err.unreachable
                 retry_after = err.retry_after
             delay = backoff_delay(attempt, ep.backoff_base_s, ep.backoff_max_s, retry_after)
@@ -251,10 +266,10 @@ class AgentRun(_Run):
                 await asyncio.wait_for(self.stop_event.wait(), delay)
             except asyncio.TimeoutError:
                 continue
-            raise _Abandon()
+            raise Abandon()
 
 
-class RemoteVerifyRun(_Run):
+class RemoteVerifyRun(CollectionRun):
     """Generation by the built-in engine; scoring by `POST {resources server}/verify`.
 
     verifier_options: {"url": "http://host:port"} (a resources server), or {"head_url": ..., "server": name}
@@ -263,7 +278,7 @@ class RemoteVerifyRun(_Run):
     def __init__(self, spec, sink, control, verify_pool=None):
         super().__init__(replace(spec, verifier="none"), sink, control, verify_pool)
         self.spec = spec
-        self.verifier = object()  # makes the base run call _verify
+        self.verifier = object()  # makes the base run call verify
         self.verify_url: str | None = (spec.verifier_options or {}).get("url")
 
     async def run(self, tasks) -> RunSummary:
@@ -292,17 +307,24 @@ class RemoteVerifyRun(_Run):
         self.verify_timeout = aiohttp.ClientTimeout(total=self.ep.request_timeout_s, sock_connect=self.ep.connect_timeout_s)
         return await super().run(tasks)
 
-    async def _verify(self, row: dict, response: dict, result: RolloutResult):
+    async def verify(self, row: dict, response: dict, result: RolloutResult):
         t0 = time.monotonic()
         body = dict(row)
         # /verify validates a full Responses API object: fields a chat or completions answer has no
         # counterpart for get the API's defaults (the stored response is left as it is)
         body["response"] = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": [], **response}
         url = self.verify_url + "/verify"
-        attempt, error, failure = 0, "", FailureClass.VERIFIER_ERROR
+        attempt, error, detail, failure = 0, "", "", FailureClass.VERIFIER_ERROR
         while True:
+            detail, span = "", None
             try:
-                async with self.session.post(url, json=body, timeout=self.verify_timeout) as resp:
+                if not result.trace_id:
+                    result.trace_id = new_trace_id()
+                span = None if self.tracer is None else self.tracer.child(
+                    result, "verify", {"url.full": url, "request.attempt": attempt + 1})
+                header = traceparent(result.trace_id) if span is None else self.tracer.traceparent(result, span)
+                async with self.session.post(url, json=body, timeout=self.verify_timeout, max_bytes=VERIFY_MAX_BYTES,
+                                             headers={"traceparent": header}) as resp:
                     text = await resp.read()
                     if resp.status == 200:
                         answer = json.loads(text)
@@ -313,22 +335,28 @@ class RemoteVerifyRun(_Run):
                         result.output_row["reward"] = reward
                         result.reward = reward
                         result.verify_ms = (time.monotonic() - t0) * 1000.0
+                        if span is not None:
+                            self.tracer.end(span, "", {"http.response.status_code": 200, "rollout.reward": reward})
                         return
-                    error = f"HTTP {resp.status} from {url}: {text[:300].decode('utf-8', 'replace')}"
+                    error, detail = f"HTTP {resp.status} from {url}", text[:300]
                     retryable = resp.status >= 500 or resp.status in (408, 429)
             except asyncio.CancelledError:
                 raise
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                error, retryable = f"{url}: {type(exc).__name__}: {_error_reason(exc)}", True
+                _fc, reason, detail, retryable = outbound.describe(exc)  # gate refusals and oversize: not retried
+                error = f"{url}: {reason}"
             except (ValueError, TypeError, AttributeError) as exc:
-                error, retryable = f"bad answer from {url}: {exc}", False
+                error, detail, retryable = f"bad answer from {url} ({type(exc).__name__})", str(exc), False
+            finally:
+                if span is not None:  # not ended above (a no-op if it was): this attempt failed
+                    self.tracer.end(span, error or "cancelled")
             if not retryable or attempt >= self.ep.max_retries:
                 break
             await asyncio.sleep(backoff_delay(attempt, self.ep.backoff_base_s, self.ep.backoff_max_s))
             attempt += 1
         result.ok = False
         result.failure_class = failure
-        result.error = f"remote verifier: {error}"[:2000]
+        result.error = with_detail(f"remote verifier: {error}", detail)[:2000]
         result.reward = 0.0
         result.output_row["reward"] = 0.0
         self.tick_errors[failure] += 1

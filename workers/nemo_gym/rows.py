@@ -4,7 +4,7 @@ Body: the row as it is (nothing removed) with `agent_ref = {"name": agent}` set 
 `responses_create_params = row[...] | overrides` (a SHALLOW merge, as NeMo Gym does, unlike the built-in
 engine's deep merge), `_ng_task_index` and `_ng_rollout_index`.
 Answer: the resources server's verify result (unknown top-level fields dropped by the agent), to which
-the caller re-attaches `_ng_task_index`, `_ng_rollout_index` and `agent_ref`.
+the caller re-attaches `_ng_task_index`, `_ng_rollout_index`, `agent_ref` (and `skills_ref`).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ RCP = "responses_create_params"
 TASK_INDEX = "_ng_task_index"
 ROLLOUT_INDEX = "_ng_rollout_index"
 FAILURE_CLASS_KEY = "_ng_failure_class"
+SKILLS_REF = "skills_ref"
 
 
 def agent_of(row: dict, default: str | None) -> str | None:
@@ -24,8 +25,10 @@ def agent_of(row: dict, default: str | None) -> str | None:
     return default or None
 
 
-def run_body(row: dict, agent_name: str | None, overrides: dict | None, task_index: int, rollout_index: int) -> dict:
-    """The JSON body of `POST {agent}/run` for one (task, repeat). The input row is not modified."""
+def run_body(row: dict, agent_name: str | None, overrides: dict | None, task_index: int, rollout_index: int,
+             add_seed: bool = False) -> dict:
+    """The JSON body of `POST {agent}/run` for one (task, repeat). The input row is not modified. `add_seed`:
+    NeMo Gym's num_repeats_add_seed (materialize.with_seed)."""
     body = dict(row)
     if agent_name and not isinstance(body.get(AGENT_REF), dict):
         body[AGENT_REF] = {"name": agent_name}
@@ -34,6 +37,10 @@ def run_body(row: dict, agent_name: str | None, overrides: dict | None, task_ind
         body[RCP] = {**(rcp if isinstance(rcp, dict) else {}), **overrides}
     body.setdefault(TASK_INDEX, task_index)
     body[ROLLOUT_INDEX] = rollout_index
+    if add_seed:
+        from workers.engine.materialize import with_seed
+
+        body = with_seed(body, rollout_index)
     return body
 
 
@@ -44,6 +51,8 @@ def output_row(answer: dict, body: dict) -> dict:
     out[ROLLOUT_INDEX] = body[ROLLOUT_INDEX]
     if AGENT_REF in body:
         out[AGENT_REF] = body[AGENT_REF]
+    if SKILLS_REF in body:  # the run's skills (+skills.path), as NeMo Gym stamps it on each result
+        out[SKILLS_REF] = body[SKILLS_REF]
     return out
 
 

@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import pickle
-import random
 import socket
 import threading
 import time

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from .config import FAULT_TYPES, ConfigError, SimConfig, parse_fault_rates
+from .config import ConfigError, SimConfig, parse_fault_rates
 
 DESCRIPTION = """\
 A vLLM-compatible model-server simulator (no GPU). It serves /v1/chat/completions, /v1/completions,

@@ -18,6 +18,7 @@ time and client-side queueing. The knob `admin_faults` makes an admin route fail
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -52,6 +53,7 @@ class Sim:
         self.ids = itertools.count(1)
         self.id_prefix = "%08x" % random.Random(self.seed).getrandbits(32)
         self.started = time.time()
+        self.traceparents: collections.deque[str] = collections.deque(maxlen=10000)  # GET /admin/traceparents
 
     def set_config(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -214,6 +216,10 @@ async def _openai(request: web.Request, kind: str):
     trace = request.headers.get("X-Trace-Id")
     if trace:
         hdrs["X-Trace-Id"] = trace
+    parent = request.headers.get("traceparent")
+    if parent:  # W3C trace context: kept (the last 10,000) for tests to find, echoed as a real server's proxy might
+        sim.traceparents.append(parent[:200])
+        hdrs["traceparent"] = parent[:200]
 
     room = cfg.max_model_len - n_prompt
     if max_t is not None and max_t > room or room < 1:
@@ -515,6 +521,11 @@ async def get_config(request):
     return _json(request.app[SIM].cfg.to_dict())
 
 
+async def get_traceparents(request):
+    """The W3C traceparent headers of the model requests received (the last 10,000), oldest first."""
+    return _json({"traceparents": list(request.app[SIM].traceparents)})
+
+
 async def post_config(request):
     sim: Sim = request.app[SIM]
     try:
@@ -556,6 +567,7 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     r.add_post("/wake_up", wake_up)
     r.add_get("/is_sleeping", is_sleeping)
     r.add_get("/admin/config", get_config)
+    r.add_get("/admin/traceparents", get_traceparents)
     r.add_post("/admin/config", post_config)
     return app
 

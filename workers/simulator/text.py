@@ -74,7 +74,7 @@ def last_user_text(messages) -> str:
 def solve(question: str):
     """(A, op, B, answer) for the last arithmetic question in the text, or None."""
     found = None
-    for found in MATH_RE.finditer(question):
+    for found in MATH_RE.finditer(question):  # noqa: B007 - keeps the last match
         pass
     if found is None:
         return None

@@ -168,7 +168,7 @@ def parse_metrics(text: str, t: float = 0.0) -> VllmSnapshot:
                     continue
                 group = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
                 groups.setdefault(group, {})[float(le)] = value
-            sums = {tuple(sorted(l.items())): v for l, v in samples.get(name + "_sum", [])}
+            sums = {tuple(sorted(lbl.items())): v for lbl, v in samples.get(name + "_sum", [])}
             merged: Histogram | None = None
             for group, buckets in groups.items():
                 finite = sorted(b for b in buckets if not math.isinf(b))

@@ -7,7 +7,19 @@ import time
 
 import aiohttp
 
+from workers import outbound
+
 from .prom import VllmSnapshot, merge_snapshots, parse_metrics, window
+
+
+METRICS_MAX_BYTES = 8 * 1024 * 1024  # vLLM's /metrics is a few hundred kB with many LoRA adapters
+
+
+def _why(exc: BaseException) -> str:
+    """A failed scrape in the product's words (the error lands in ticks every user sees)."""
+    if isinstance(exc, RuntimeError):
+        return str(exc)  # ours: "HTTP 404", "no vllm:* metrics"
+    return outbound.describe(exc)[1]
 
 
 def metrics_url(base_url: str) -> str:
@@ -28,8 +40,7 @@ class VllmScraper:
     A server without /metrics (a hosted API) answers 404: `supported` becomes False after a few tries
     and later scrapes are skipped."""
 
-    def __init__(self, base_urls: list[str] | str, timeout_s: float = 2.0, session: aiohttp.ClientSession | None = None,
-                 give_up_after: int = 3):
+    def __init__(self, base_urls: list[str] | str, timeout_s: float = 2.0, session=None, give_up_after: int = 3):
         if isinstance(base_urls, str):
             base_urls = [base_urls]
         self.urls = [metrics_url(u) for u in base_urls]
@@ -43,11 +54,11 @@ class VllmScraper:
         self.give_up_after = give_up_after
         self.supported = True
 
-    async def _fetch(self, session: aiohttp.ClientSession, url: str) -> VllmSnapshot:
-        async with session.get(url, timeout=self.timeout) as resp:
+    async def _fetch(self, session, url: str) -> VllmSnapshot:
+        async with session.get(url, timeout=self.timeout, max_bytes=METRICS_MAX_BYTES) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}")
-            text = await resp.text()
+            text = (await resp.read()).decode("utf-8", "replace")
         snap = parse_metrics(text, t=time.monotonic())
         if not snap.names_seen:
             raise RuntimeError("no vllm:* metrics")
@@ -57,10 +68,10 @@ class VllmScraper:
         if not self.supported:
             return {"ok": False, "error": "endpoint exposes no vLLM /metrics", "unsupported": True}
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = outbound.gated_session(limit=len(self.urls) or 1)
         results = await asyncio.gather(*(self._fetch(self._session, u) for u in self.urls), return_exceptions=True)
         snaps = [r for r in results if isinstance(r, VllmSnapshot)]
-        errors = [f"{u}: {type(r).__name__}: {r}" for u, r in zip(self.urls, results) if not isinstance(r, VllmSnapshot)]
+        errors = [f"{u}: {_why(r)}" for u, r in zip(self.urls, results) if not isinstance(r, VllmSnapshot)]
         if not snaps:
             self.failures += 1
             if self.failures >= self.give_up_after and self.prev is None:
@@ -93,7 +104,7 @@ class VllmScraper:
         out["replicas_total"] = len(self.urls)
         if errors:
             out["errors"] = errors
-            out["replica_errors"] = {u: f"{type(r).__name__}: {r}"[:200] for u, r in zip(self.urls, results)
+            out["replica_errors"] = {u: _why(r)[:200] for u, r in zip(self.urls, results)
                                      if not isinstance(r, VllmSnapshot)}
         for u in self.urls:  # a replica that failed now is a baseline again when it comes back
             if u in by_url:

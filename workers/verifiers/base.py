@@ -2,8 +2,32 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def operator_maxima(env: str | None = None) -> dict[str, float]:
+    """VERIFIER_OPTION_MAX="code.wall_s=120,judge.concurrency=128": the operator's maxima for verifiers' numeric
+    options, over each verifier's own `option_max`. {"code.wall_s": 120.0, ...}; ValueError for a bad entry."""
+    text = os.environ.get("VERIFIER_OPTION_MAX", "") if env is None else env
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        name, dot, option = key.strip().partition(".")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not dot or not name or not option or not math.isfinite(number) or number < 0:
+            raise ValueError(f"VERIFIER_OPTION_MAX: {item!r} is not <verifier>.<option>=<number >= 0>")
+        out[f"{name}.{option.strip()}"] = number
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -23,6 +47,9 @@ class Verifier:
       against it (unknown options and wrong types are refused) and fills the defaults.
     * `kind`: "cpu" (runs in the engine's process pool), "io" (blocks on a subprocess or a file: runs in a
       thread), "remote" (an async call to another service: `averify`, on the event loop with its own limit).
+    * `option_max`: {numeric option: the most a job may ask for}; the operator changes them with
+      VERIFIER_OPTION_MAX. A job asking for more is refused (`validate_options`); where options are used they
+      are clamped again (`clamp_options`: options stored before the operator lowered a maximum).
     """
 
     name = ""
@@ -31,6 +58,32 @@ class Verifier:
     options: dict[str, tuple] | None = None  # None: not declared (older verifiers): options pass unchecked
     description = ""
     version = ""  # bump when results change without a code change (a new model or data file behind it)
+    option_max: dict[str, float] = {}
+    record_options: frozenset[str] = frozenset()  # numeric options naming a stored record (an id), not an amount
+
+    def option_caps(self) -> dict[str, float]:
+        """{option: maximum} for this verifier: its own `option_max`, overridden by VERIFIER_OPTION_MAX."""
+        caps = dict(self.option_max or {})
+        for key, value in operator_maxima().items():
+            name, _, option = key.partition(".")
+            if name == self.name and option in (self.options or {}):
+                caps[option] = value
+        return caps
+
+    def clamp_options(self, options: dict | None) -> dict:
+        """The options with every numeric one within [0, its maximum]: above it -> the maximum; negative, NaN or
+        infinite -> the default. For the places options are used (the worker), after the edge refused them."""
+        out = dict(options or {}) if isinstance(options, dict) else {}
+        declared = self.options or {}
+        for key, cap in self.option_caps().items():
+            value = out.get(key)
+            if not _is_number(value):
+                continue
+            if not math.isfinite(value) or value < 0:
+                out[key] = declared[key][1] if key in declared else 0
+            elif value > cap:
+                out[key] = type(value)(cap)
+        return out
 
     def _source_of(self):
         return type(self)
@@ -88,6 +141,7 @@ class Verifier:
         if self.options is None:
             return options
         errors = []
+        caps = self.option_caps()
         for key in sorted(set(options) - set(self.options)):
             errors.append(f"unknown option {key!r} (known: {', '.join(sorted(self.options)) or 'none'})")
         out = {}
@@ -103,8 +157,12 @@ class Verifier:
                 names = "/".join(t.__name__ for t in types_t)
                 errors.append(f"option {key!r} must be {names}, not {type(value).__name__} {value!r}")
                 continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                errors.append(f"option {key!r} must be >= 0, not {value!r}")
+            if _is_number(value) and not (math.isfinite(value) and value >= 0):
+                errors.append(f"option {key!r} must be a finite number >= 0, not {value!r}")
+                continue
+            if _is_number(value) and key in caps and value > caps[key]:
+                errors.append(f"option {key!r} must be at most {caps[key]:g} (the operator's maximum: "
+                              f"VERIFIER_OPTION_MAX {self.name}.{key}), not {value!r}")
                 continue
             out[key] = value
         if errors:
@@ -115,7 +173,8 @@ class Verifier:
         return {"name": self.name, "kind": self.effective_kind, "required_fields": list(self.required_fields),
                 "options": None if self.options is None else {
                     k: {"type": "/".join(t.__name__ for t in (v[0] if isinstance(v[0], tuple) else (v[0],))),
-                        "default": v[1]} for k, v in self.options.items()},
+                        "default": v[1], **({"max": self.option_caps()[k]} if k in self.option_caps() else {})}
+                    for k, v in self.options.items()},
                 "description": self.description or (type(self).__doc__ or "").strip().split("\n")[0]}
 
 

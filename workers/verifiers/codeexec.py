@@ -7,7 +7,9 @@
 The program is the last ```python``` (or ```) block of the response, else the whole response. Each test
 is one sandboxed run; outputs compare line by line ignoring trailing whitespace. Reward 1.0 when every
 test passes (or the fraction passed with `partial_credit`). A program that breaks a limit, opens a socket
-or reads outside its directory simply fails its test, with the reason in `failure_reason`.
+or reads outside its directory simply fails its test, with the reason in `failure_reason`. The limits a job
+asks for are bounded by the operator's (`option_max`, VERIFIER_OPTION_MAX). Where there is no namespace
+sandbox (and the operator did not opt into rlimits) every verification fails with SandboxUnavailable.
 """
 from __future__ import annotations
 
@@ -61,14 +63,22 @@ class CodeExecution(Verifier):
         "processes": (int, 16), "output_bytes": (int, 1_000_000), "partial_credit": (bool, False),
         "stop_on_failure": (bool, True),
     }
+    option_max = {"cpu_s": 30.0, "wall_s": 60.0, "memory_mb": 2048, "processes": 64, "output_bytes": 16_000_000}
+
+    def runtime_info(self) -> dict:
+        """For the job page: which sandbox this worker's runs get."""
+        return {"sandbox": sandbox.describe(*sandbox.mode())}
 
     def verify(self, row, response_text, options):
+        mode, why = sandbox.mode()
+        if mode == "unavailable":
+            raise sandbox.SandboxUnavailable(sandbox.refusal(why))
         tests = unit_tests(row)
         program = extract_program(response_text)
+        options = self.clamp_options(options)
         o = {k: options.get(k, d) for k, (_, d) in self.options.items()}
         limits = sandbox.Limits(cpu_s=float(o["cpu_s"]), wall_s=float(o["wall_s"]), memory_mb=int(o["memory_mb"]),
                                 processes=int(o["processes"]), output_bytes=int(o["output_bytes"]))
-        mode, why = sandbox.mode()
         runs = [(stdin, want, None) for stdin, want in tests["pairs"]] + [("", None, a) for a in tests["asserts"]]
         passed, failure = 0, ""
         for i, (stdin, want, test_code) in enumerate(runs):
@@ -85,4 +95,4 @@ class CodeExecution(Verifier):
         reward = (passed / total if o["partial_credit"] else float(passed == total)) if total else 0.0
         return VerifyResult(reward=reward, fields={
             "tests_passed": passed, "tests_total": total, "failure_reason": failure,
-            "sandbox": mode if mode == "bubblewrap" else f"rlimits only ({why})"})
+            "sandbox": sandbox.describe(mode, why)})

@@ -57,7 +57,9 @@ class VerifyExecutor:
         self.verifier = get_verifier(name)  # ValueError for an unknown name
         self.name = name
         self.cache_name = f"{name}@{self.verifier.fingerprint()}"  # changed verifier code: other keys
-        self.options = self.verifier.validate_options(options or {})
+        # the options were checked where the job was created; here (the worker) they are clamped again to the
+        # operator's maxima of now, so options stored before a maximum was lowered cannot exceed it
+        self.options = self.verifier.validate_options(self.verifier.clamp_options(options or {}))
         self.fast = fast
         self.kind = self.verifier.effective_kind
         if fast and self.verifier.has_fast and self.kind == "cpu":
@@ -92,6 +94,9 @@ class VerifyExecutor:
         out = {"verify_kind": self.kind, "verify_queue": self.waiting, "verify_busy": self.running,
                "verify_slots": self.concurrency if self.kind in ("io", "remote") else None,
                "verify_cache_hits": self.hits, "verify_cache_lookups": self.lookups}
+        info = getattr(self.verifier, "runtime_info", None)
+        if info is not None:  # the code verifier: which sandbox this worker's programs run in
+            out.update({f"verify_{k}": v for k, v in info().items()})
         if self.cache_mode != "off":
             out["verify_cache_shared"] = self.shared is not None
             if self.shared is not None:

@@ -12,11 +12,15 @@ subclass, or a function marked with the `verifier` decorator:
         return 1.0 if response_text.strip().endswith(options["suffix"]) else 0.0   # or a VerifyResult
 
 Only marked objects are accepted, so a dotted path cannot call an arbitrary function of the environment.
+But importing a module runs it: a dotted path is the operator's to name (the command line, VERIFIER_PLUGINS).
+Users (the API, the dashboard) name registered verifiers and entry points; a dotted path of theirs is taken
+only into a module the operator listed (`check_user_name`), and nothing is imported before that check.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import threading
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable
@@ -26,6 +30,41 @@ from .base import VERIFIERS, Verifier, VerifyResult
 ENTRY_POINT_GROUP = "rollout_controlplane.verifiers"
 _lock = threading.Lock()
 _MISSING = object()
+_by_path: dict[str, Verifier] = {}  # dotted paths resolved in this process (not names anyone registered)
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_ATTR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """(module, attribute) of "pkg.mod:obj" or "pkg.mod.Obj"; ValueError for anything else (relative paths
+    such as ".mod:x", empty parts, characters no module name has)."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not _MODULE.fullmatch(module_name or "") or not _ATTR.fullmatch(attr or ""):
+        raise ValueError(f"unknown verifier {path[:200]!r}: not a registered name, nor a dotted path 'module:object'")
+    return module_name, attr
+
+
+def check_user_name(name, allowed_modules=()) -> None:
+    """ValueError unless a user may name this verifier: a registered name, an installed entry point, or a
+    dotted path `module:object` / `module.Object` into one of `allowed_modules` (the operator's list). Imports
+    nothing: an unknown or refused name never reaches importlib."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a verifier name is required")
+    with _lock:
+        if name in VERIFIERS:
+            return
+    if _entry_point(name) is not None:
+        return
+    if "." not in name and ":" not in name:
+        raise ValueError(f"unknown verifier {name[:200]!r}; known: {', '.join(known_names())}")
+    module_name, attr = split_path(name)
+    if module_name not in set(allowed_modules) or "." in attr:
+        raise ValueError(f"verifier {name[:200]!r}: a dotted path names a module, which only the operator may have "
+                         f"imported; name a registered verifier ({', '.join(known_names())}), or ask the operator "
+                         "to list the module in VERIFIER_PATH_MODULES")
 
 
 class FunctionVerifier(Verifier):
@@ -91,12 +130,7 @@ def verifier(fn: Callable | None = None, *, required_fields: Iterable[str] = ("e
 
 
 def _import(path: str) -> Any:
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"unknown verifier {path!r}: not a registered name, nor a dotted path 'module:object'")
+    module_name, attr = split_path(path)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -137,6 +171,8 @@ def resolve(name: str) -> Verifier:
     with _lock:
         if name in VERIFIERS:
             return VERIFIERS[name]
+        if name in _by_path:
+            return _by_path[name]
     ep = _entry_point(name)
     if ep is not None:
         try:
@@ -144,9 +180,11 @@ def resolve(name: str) -> Verifier:
         except Exception as exc:  # noqa: BLE001  (a broken plugin is a clear error, not a crash)
             raise ValueError(f"verifier {name!r}: entry point {ep.value!r} failed to load: {type(exc).__name__}: {exc}") from None
     elif "." in name or ":" in name:
-        obj = _import(name)
+        inst = _from_object(_import(name), name)
+        with _lock:
+            return _by_path.setdefault(name, inst)
     else:
-        raise ValueError(f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))} "
+        raise ValueError(f"unknown verifier {name[:200]!r}; known: {', '.join(sorted(VERIFIERS))} "
                          f"(or a dotted path 'module:object', or an entry point in {ENTRY_POINT_GROUP!r})")
     inst = _from_object(obj, name)
     with _lock:
@@ -155,7 +193,7 @@ def resolve(name: str) -> Verifier:
 
 
 def known_names() -> list[str]:
-    """Registered names plus installed entry points (dotted paths are accepted too)."""
+    """Registered names plus installed entry points (dotted paths are the operator's: see check_user_name)."""
     names = set(VERIFIERS)
     names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
     return sorted(names)

@@ -53,3 +53,20 @@ def ms(seconds, digits=3):
         return f"{1000.0 * float(seconds):,.{int(digits)}f}"
     except (TypeError, ValueError):
         return "—"
+
+
+@register.filter
+def shown_to(value, user):
+    """An error text or report as `user` may read it (controlplane.disclosure): staff all of it, everyone
+    else never what a server said."""
+    from controlplane.disclosure import shown_for
+
+    return shown_for(user, value)
+
+
+@register.simple_tag
+def run_health(endpoint):
+    """The endpoint as the latest job's run saw it (controlplane.jobs.replica_load.run_health), or None."""
+    from controlplane.jobs.replica_load import run_health as health
+
+    return health(endpoint)

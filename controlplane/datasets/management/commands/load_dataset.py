@@ -35,7 +35,8 @@ class Command(BaseCommand):
                 raise CommandError(f"no such user: {owner}")
         try:
             ds = ingest_jsonl(path, name=name or os.path.basename(path), owner=user, accept_partial=accept_partial,
-                              description=description, verifier=verifier)
+                              description=description, verifier=verifier,
+                              operator=True)  # the operator's command: dotted paths allowed
         except ValueError as e:  # an unknown verifier
             raise CommandError(str(e), returncode=2)
         except DatasetValidationError as e:

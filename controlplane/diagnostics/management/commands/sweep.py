@@ -2,6 +2,7 @@
 [--levels 1,2,4,...] [--async] [--json]: run a parallelism sweep and store its curve."""
 import json
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.diagnostics import services
@@ -44,6 +45,8 @@ class Command(BaseCommand):
             sweep = services.create_sweep(endpoint=endpoint, dataset=dataset, job=job, owner=job.owner if job else None,
                                           sample_size=o["sample_size"], levels=levels, start_parallelism=o["start"],
                                           max_parallelism=o["max"])
+        except ValidationError as e:  # the jobs' caps and the owner's quotas
+            raise CommandError("; ".join(e.messages))
         except ValueError as e:
             raise CommandError(str(e))
         if o["run_async"]:

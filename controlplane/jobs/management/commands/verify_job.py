@@ -21,7 +21,7 @@ class Command(BaseCommand):
         if job is None:
             raise CommandError(f"no job {job_id}")
         try:
-            run = verification.start_verification(job, verifier=verifier, launch=False)
+            run = verification.start_verification(job, verifier=verifier, launch=False, operator=True)
         except (ValidationError, InvalidTransition) as exc:
             raise CommandError(str(exc)) from None
         self.stderr.write(f"verifying job {job_id} with {run.verifier}: run {run.pk}, {run.verified}/{run.total} done")

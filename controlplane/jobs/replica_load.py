@@ -18,10 +18,13 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from django.conf import settings
 from django.utils import timezone
 
-from .services import normalize_base_url
+from controlplane.endpoints.services import normalize_base_url
+
+from .models import JobMetricSample
 
 
 LIVE_MESSAGE_TYPE = "endpoint.replicas"
+RUN_FRESH_S = 5.0  # a run whose latest tick is older holds nothing in flight (paused, cancelled, done)
 
 
 def endpoint_group(endpoint_id: int) -> str:
@@ -36,25 +39,40 @@ def _when(epoch) -> str | None:
 
 
 def replica_load(endpoint, window_s: float | None = None) -> dict:
-    from controlplane.jobs.models import JobMetricSample
 
     window_s = float(settings.REPLICA_LOAD_WINDOW_S if window_s is None else window_s)
     since = timezone.now() - timedelta(seconds=window_s)
-    latest: dict[str, list] = {}
+    fresh_after = timezone.now() - timedelta(seconds=RUN_FRESH_S)
+    # the latest tick of every run: a series ("<worker> chunk <index>") holds one run after another when the
+    # same worker runs the chunk again (resumed): its elapsed time starting over begins a new run
+    current: dict[str, tuple] = {}  # series -> (elapsed_s, t, replicas) of its run now
+    ended: list[tuple] = []  # (t, replicas) of runs a later run of the same series followed
     rows = (JobMetricSample.objects.filter(job__endpoint=endpoint, t__gte=since, extra__has_key="replicas")
-            .order_by("-t").values_list("job_id", "worker", "extra__replicas"))
-    for job_id, worker, reps in rows.iterator(chunk_size=500):
+            .order_by("t").values_list("job_id", "worker", "extra__replicas", "t", "elapsed_s"))
+    for job_id, worker, reps, t, elapsed in rows.iterator(chunk_size=500):
+        if not isinstance(reps, list):
+            continue
         key = f"{job_id}/{worker}"
-        if key not in latest and isinstance(reps, list):
-            latest[key] = reps
+        prev = current.get(key)
+        if prev is not None and (elapsed or 0.0) < (prev[0] or 0.0):
+            ended.append((prev[1], prev[2]))
+        current[key] = (elapsed, t, reps)
+    latest: dict[str, list] = {}
+    stopped: set[str] = set()  # runs whose latest tick is old: paused, cancelled, finished or gone
+    for i, (t, reps) in enumerate([(v[1], v[2]) for v in current.values()] + ended):
+        latest[str(i)] = reps
+        if t < fresh_after:
+            stopped.add(str(i))
 
     health = {normalize_base_url(r.get("url", "")): r for r in (endpoint.last_health or {}).get("replicas", [])
               if isinstance(r, dict)}
     urls = [normalize_base_url(u) for u in endpoint.all_base_urls]
     by_url: dict[str, list[dict]] = {u: [] for u in urls}
-    for reps in latest.values():
+    for key, reps in latest.items():
         for r in reps:
             if isinstance(r, dict) and normalize_base_url(r.get("url", "")) in by_url:
+                if key in stopped:  # its counts stand; nothing of it is in flight any more
+                    r = dict(r, in_flight=0, _stopped=True)
                 by_url[normalize_base_url(r["url"])].append(r)
 
     out = []
@@ -63,9 +81,10 @@ def replica_load(endpoint, window_s: float | None = None) -> dict:
         requests = sum(int(r.get("requests") or 0) for r in seen)
         errors = sum(int(r.get("errors") or 0) for r in seen)
         outs = [r for r in seen if r.get("state") == "out"]
+        live = [r for r in seen if not r.get("_stopped")]
         row = {
             "url": url,
-            "state": "idle" if not seen else "out" if outs else "in",
+            "state": "idle" if not live else "out" if outs else "in",
             "since": None, "reason": "",
             "runs": len(seen),
             "in_flight": sum(int(r.get("in_flight") or 0) for r in seen),
@@ -88,3 +107,24 @@ def replica_load(endpoint, window_s: float | None = None) -> dict:
         r["share"] = round(r["requests"] / total, 4) if total else None
     return {"window_s": window_s, "runs": len(latest), "in_rotation": sum(r["state"] != "out" for r in out),
             "replicas": out, "checked_at": (endpoint.last_health or {}).get("checked_at")}
+
+
+RUN_HEALTH_WINDOW_S = 900.0  # a job's requests this recent say whether the endpoint answers
+
+
+def run_health(endpoint) -> dict | None:
+    """What the latest run of any job on the endpoint saw of it (its replica table, single URL included):
+    {"ok": some replica answered requests and none is out of rotation, "at": datetime, "answered", "errors"};
+    None when no run used it in the last RUN_HEALTH_WINDOW_S. Shown beside (or instead of) the last check."""
+    from controlplane.jobs.models import JobMetricSample
+
+    row = (JobMetricSample.objects.filter(job__endpoint=endpoint, extra__has_key="replicas",
+                                          t__gte=timezone.now() - timedelta(seconds=RUN_HEALTH_WINDOW_S))
+           .order_by("-t").values_list("t", "extra__replicas").first())
+    if row is None or not isinstance(row[1], list):
+        return None
+    reps = [r for r in row[1] if isinstance(r, dict)]
+    answered = sum(int(r.get("ok") or 0) for r in reps)
+    errors = sum(int(r.get("errors") or 0) for r in reps)
+    out = any(r.get("state") == "out" for r in reps)
+    return {"ok": answered > 0 and not out, "at": row[0], "answered": answered, "errors": errors}

@@ -6,10 +6,9 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework.authentication import SessionAuthentication
 
-from controlplane.api.authentication import ExpiringTokenAuthentication
-
-from . import serializers as s
+from .authentication import ExpiringTokenAuthentication
 from .exceptions import api_exception_handler
+from .fields import ErrorSerializer
 
 ID_REGEX = r"[0-9]{1,18}"  # fits a bigint; anything else is a 404, never a database error
 
@@ -21,7 +20,7 @@ def errors(*codes):
         if code == 400:
             out[400] = OpenApiResponse(OpenApiTypes.OBJECT, description="Validation errors, by field")
         else:
-            out[code] = OpenApiResponse(s.ErrorSerializer, description={
+            out[code] = OpenApiResponse(ErrorSerializer, description={
                 401: "Not authenticated", 403: "Forbidden", 404: "Not found (or another user's object)",
                 409: "Conflicts with the object's current state", 429: "Throttled",
                 503: "Temporarily unavailable (the task queue is down)"}.get(code, ""))

@@ -18,7 +18,7 @@ from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from controlplane.jobs.models import InvalidTransition
+from controlplane.rest.errors import InvalidTransition  # noqa: F401  (defined DRF-free; raised by the models)
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The job page is a list of panels, rendered in order (the compare page has sections added the same way,
+"""The panel registry (core: imports no app). The job page is a list of panels, rendered in order (the compare page has sections added the same way,
 `register_compare_section`). A panel is a template (it receives the page's context: `job`, `snapshot`, ...
 and `panel_ctx`, what its own context function returns). Later work (diagnosis, profiling) adds a panel
 with `register_panel` from its app's `ready()`:
 
-    from controlplane.dashboard.panels import register_panel
+    from controlplane.panels import register_panel
     register_panel("diagnostics/panels/diagnosis.html", context=lambda request, job: {...}, after="charts")
 """
 from __future__ import annotations
@@ -21,28 +21,13 @@ class Panel:
                         # every PANEL_REFRESH_S while the job runs and when its state changes
 
 
-def _verification(job):
-    from controlplane.jobs.verification import panel_context
-
-    return panel_context(job)
-
-
-def _workers(job):
-    from django.conf import settings
-
-    from controlplane.jobs.services import chunk_queue
-    from controlplane.jobs.workers import job_workers
-
-    return {"workers": job_workers(job), "queue": chunk_queue(job) or settings.CELERY_TASK_DEFAULT_QUEUE}
-
-
 JOB_PANELS: list[Panel] = [
     Panel("progress", "dashboard/panels/progress.html", live=True),
     Panel("actions", "dashboard/panels/actions.html", live=True),
     Panel("charts", "dashboard/panels/charts.html", live=True),
     Panel("metrics", "dashboard/panels/metrics.html"),
-    Panel("verification", "dashboard/panels/verification.html", context=lambda request, job: _verification(job)),
-    Panel("workers", "dashboard/panels/workers.html", context=lambda request, job: _workers(job)),
+    Panel("verification", "dashboard/panels/verification.html"),  # contexts: the dashboard's ready()
+    Panel("workers", "dashboard/panels/workers.html"),
     Panel("timing", "dashboard/panels/timing.html"),
     Panel("errors", "dashboard/panels/errors.html"),
     Panel("parameters", "dashboard/panels/parameters.html"),
@@ -51,7 +36,12 @@ JOB_PANELS: list[Panel] = [
 
 def register_panel(template: str, *, name: str | None = None, context: Callable | None = None,
                    after: str | None = None, live: bool = False) -> Panel:
+    """Add a panel after another (or last); a panel of an existing name and no `after` takes its place."""
     panel = Panel(name or template, template, context, live)
+    for i, p in enumerate(JOB_PANELS):
+        if p.name == panel.name and after is None:
+            JOB_PANELS[i] = panel
+            return panel
     JOB_PANELS[:] = [p for p in JOB_PANELS if p.name != panel.name]
     if after is not None:
         for i, p in enumerate(JOB_PANELS):

@@ -1,0 +1,216 @@
+"""The rollout stream for trainers: delivery latency (stored -> the trainer has it) and throughput beside the
+JSONL export, with the process's memory.
+
+1. Throughput, for each size: a job of N stored rollouts (~1.2 KB of JSON each, as bench_export) is
+   (a) exported through GET /api/jobs/<id>/export/ and (b) drained by one consumer through
+   GET /api/jobs/<id>/stream/?max=B&ack=<previous token> per batch (the take acknowledges the batch before), both through Django's full request
+   stack (test client: routing, token auth, throttling, the DRF views), and both decoded by the reader
+   (each JSONL line / each batch's body), as a trainer must. Rows/s and RSS growth of each.
+2. Latency: a writer thread stores rollouts the way the job sink does (its transaction: the job-row lock,
+   COPY insert, counters), `--rate` rows/s in batches every `--flush-s`, while a consumer long-polls
+   (wait=5) and acknowledges. Per rollout: the time the consumer had it - the time its batch committed.
+   p50 / p95 / max.
+
+The database is a throwaway one created (and dropped) by the script, on the server of DATABASE_URL.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/controlplane .venv/bin/python -m bench.bench_stream
+    ... -m bench.bench_stream --sizes 20000,200000 --batch 1000 --latency-s 20 --rate 500
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+from django.test import Client  # noqa: E402
+
+from bench.bench_export import RssSampler, fill_job, make_row, measure_export  # noqa: E402
+
+
+def export_parsed(client, token, job_id) -> dict:
+    """GET /api/jobs/<id>/export/?which=ok, every line decoded (what a trainer reading the export does)."""
+    import json
+
+    sampler = RssSampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    resp = client.get(f"/api/jobs/{job_id}/export/?which=ok", HTTP_AUTHORIZATION=f"Token {token}")
+    assert resp.status_code == 200 and resp.streaming, resp.status_code
+    n, rest = 0, b""
+    for chunk in resp.streaming_content:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            json.loads(line)
+            n += 1
+    resp.close()
+    return {"lines": n, "wall_s": time.perf_counter() - t0, "rss_growth": sampler.stop()}
+
+
+def drain(client, token, job_id, consumer, batch) -> dict:
+    sampler = RssSampler()
+    sampler.start()
+    auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
+    t0 = time.perf_counter()
+    n = batches = 0
+    params = {"consumer": consumer, "max": batch}
+    while True:  # each take acknowledges the batch before it (?ack=token), as rolloutctl.stream does
+        r = client.get(f"/api/jobs/{job_id}/stream/", params, **auth)
+        assert r.status_code == 200, r.content[:500]
+        body = r.json()
+        if not body["count"]:
+            break
+        n += body["count"]
+        batches += 1
+        params = {"consumer": consumer, "max": batch, "ack": body["token"]}
+    wall = time.perf_counter() - t0
+    return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop()}
+
+
+def write_like_the_sink(job, rate: float, flush_s: float, seconds: float, committed: dict, stop: threading.Event):
+    """Rows stored as DbSink._write_batch stores them; committed[(task, rep)] = the commit time."""
+    from django.db.models import F
+    from django.utils import timezone
+
+    from controlplane.jobs.models import CollectionJob
+    from controlplane.jobs.sink import insert_rollouts
+    from controlplane.jobs.stream import lock_job_for_insert
+
+    per = max(1, round(rate * flush_s))
+    task = 10_000_000
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end and not stop.is_set():
+            t_next = time.monotonic() + flush_s
+            now = timezone.now()
+            rows = [{"job": job.pk, "task_index": task + i, "rollout_index": 0, "status": "ok", "failure_class": "",
+                     "error": "", "reward": 1.0, "data": make_row(task + i, 0), "queue_ms": 0.0, "ttft_ms": 1.0,
+                     "generation_ms": 1.0, "verify_ms": 0.1, "wall_ms": 50.0, "input_tokens": 31, "output_tokens": 140,
+                     "attempts": 1, "weight_version": "", "completed_version": "", "spans_update": False, "stale": False,
+                     "worker": "bench", "created_at": now} for i in range(per)]
+            with transaction.atomic():
+                lock_job_for_insert(job.pk)
+                inserted = insert_rollouts(rows)
+                CollectionJob.objects.filter(pk=job.pk).update(completed_count=F("completed_count") + len(inserted))
+            t = time.time()
+            for i in range(per):
+                committed[task + i] = t
+            task += per
+            time.sleep(max(0.0, t_next - time.monotonic()))
+    finally:
+        connection.close()
+
+
+def latency(client, token, job, args) -> dict:
+    committed: dict[int, float] = {}
+    stop = threading.Event()
+    writer = threading.Thread(target=write_like_the_sink,
+                              args=(job, args.rate, args.flush_s, args.latency_s, committed, stop), daemon=True)
+    auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
+    lat = []
+    writer.start()
+    end = time.monotonic() + args.latency_s + 2
+    params = {"consumer": "latency", "max": args.batch, "wait": 5}
+    try:
+        while time.monotonic() < end:
+            r = client.get(f"/api/jobs/{job.pk}/stream/", params, **auth)
+            body = r.json()
+            t = time.time()
+            for row in body["rollouts"]:
+                c = committed.get(row["task_index"])
+                if c is not None:
+                    lat.append(max(0.0, t - c))
+            if body["count"]:
+                params = {**params, "ack": body["token"]}
+            else:
+                params.pop("ack", None)
+                if not writer.is_alive():
+                    break
+    finally:
+        stop.set()
+        writer.join()
+    lat.sort()
+
+    def q(p):
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
+
+    return {"n": len(lat), "stored": len(committed), "p50_ms": q(0.5), "p95_ms": q(0.95), "max_ms": q(1.0) if lat else 0}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="20000,200000", help="rollout counts, comma-separated")
+    ap.add_argument("--batch", type=int, default=1000, help="the stream's max per batch")
+    ap.add_argument("--latency-s", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=500.0, help="rollouts stored per second during the latency run")
+    ap.add_argument("--flush-s", type=float, default=0.2, help="the writer's batch interval (the sink's flush)")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+
+    db = settings.DATABASES["default"]
+    db.setdefault("TEST", {})["NAME"] = f"bench_stream_{os.getpid()}"
+    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
+    try:
+        from django.contrib.auth import get_user_model
+
+        from controlplane.api.auth import issue_token
+        from controlplane.datasets.models import Dataset
+        from controlplane.endpoints.models import Endpoint
+        from controlplane.jobs.models import CollectionJob
+
+        settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": None, "anon": None}}
+        user = get_user_model().objects.create_user("bench", password="x")
+        token = issue_token(user)[0]
+        ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=max(sizes or [1]))
+        ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
+        client = Client()
+        results = []
+        for n in sizes:
+            job = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="completed",
+                                               total_rollouts=n, completed_count=n)
+            fill_s = fill_job(job, n)
+            with connection.cursor() as cur:
+                cur.execute("ANALYZE jobs_rollout")
+            print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)
+            measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
+            exp = export_parsed(client, token, job.pk)
+            st = drain(client, token, job.pk, "drain", args.batch)
+            assert exp["lines"] == n and st["rows"] == n, (exp["lines"], st["rows"])
+            results.append((n, exp, st))
+            print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s", file=sys.stderr,
+                  flush=True)
+
+        live = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="running", total_rollouts=10**8)
+        lat = latency(client, token, live, args)
+
+        print(f"\nThroughput on {connection.vendor} (Django test client, full request stack; stream batches of "
+              f"{args.batch}, each take acknowledging the batch before)\n")
+        print(f"{'rollouts':>9} {'export rows/s':>14} {'stream rows/s':>14} {'stream/export':>14} "
+              f"{'export RSS MiB':>15} {'stream RSS MiB':>15}")
+        for n, exp, st in results:
+            print(f"{n:>9,} {n / exp['wall_s']:>14,.0f} {n / st['wall_s']:>14,.0f} "
+                  f"{exp['wall_s'] / st['wall_s']:>14.2f} {exp['rss_growth'] / 2**20:>15.1f} "
+                  f"{st['rss_growth'] / 2**20:>15.1f}")
+        print(f"\nDelivery latency (batch committed -> consumer has it), {args.rate:.0f} rollouts/s stored in batches "
+              f"every {args.flush_s} s for {args.latency_s:.0f} s, long-poll wait=5:")
+        print(f"  {lat['n']:,} of {lat['stored']:,} delivered: p50 {lat['p50_ms']:.0f} ms, p95 {lat['p95_ms']:.0f} ms, "
+              f"max {lat['max_ms']:.0f} ms")
+    finally:
+        connection.creation.destroy_test_db(old_name, verbosity=0)
+
+
+if __name__ == "__main__":
+    main()

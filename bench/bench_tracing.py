@@ -1,0 +1,145 @@
+"""What OpenTelemetry tracing costs the collection (issue 27, "Bench"): the engine against the simulator with
+tracing off, on without an exporter (spans made and dropped: TRACING_MODE "spans") and on with OTLP export
+(batched protobuf over HTTP to a collector in a process of its own), interleaved.
+
+Each round runs every arm once, in a rotated order, in this one process (one engine, one simulator process at
+zero latency by default, verifier "none" so that the engine's own work -- where the spans are made -- is the limit): a
+run collects `-n` rollouts at concurrency `-c`. Two arms run with tracing off ("off A", "off B"): their ratio
+is the measurement's own noise on a shared machine. Per arm, the median over the rounds of:
+
+* rollouts/s  rollouts / the run's wall time (the simulator shares the CPU, as a vLLM server would not);
+* CPU ms/rollout  this process's CPU time (every thread: the engine, the span processor's export thread)
+  per rollout: what the engine spends, less sensitive to the load of the moment than the throughput.
+
+The ratios are each arm's median over the "off A" median. Goal: overhead <= 2 %.
+
+    .venv/bin/python -m bench.bench_tracing                       # 5 rounds of 3000 rollouts at c=64
+    .venv/bin/python -m bench.bench_tracing --rounds 7 -n 5000 --json bench/results/tracing.json
+    .venv/bin/python -m bench.bench_tracing -n 1000 --ttft-ms 200 --itl-ms 20   # the model server is the limit
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.fixtures_simulator import start_simulator  # noqa: E402
+from workers.diagnosis.scenarios import rows_math, task_items  # noqa: E402
+from workers.engine.runner import run_collection  # noqa: E402
+from workers.engine.types import CollectionSpec, EndpointSpec  # noqa: E402
+from workers.tracing import TraceConfig  # noqa: E402
+
+ARMS = ("off A", "off B", "spans", "otlp", "otlp 10%")
+LABELS = {"off A": "off (baseline)", "off B": "off again (noise)", "spans": "on, no exporter",
+          "otlp": "on, OTLP/HTTP export", "otlp 10%": "on, OTLP, 10% sampled"}
+
+COLLECTOR = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, %r)
+    from tests.otlp_collector import start_collector
+    col = start_collector(decode=True)
+    print(col.url, flush=True)
+    sys.stdin.readline()
+    print(col.requests, len(col.spans), col.bytes, flush=True)
+""")
+
+
+class CountingSink:
+    def __init__(self):
+        self.ok = 0
+        self.spans_traced = 0
+
+    async def rollout(self, r):
+        self.ok += r.ok
+
+    async def progress(self, t):
+        pass
+
+    async def close(self):
+        pass
+
+
+async def one_run(arm: str, url: str, model: str, collector_url: str, n: int, c: int) -> dict:
+    tracing = None
+    if arm == "spans":
+        tracing = TraceConfig(mode="spans", job_key="bench", attributes={"job.id": 1})
+    elif arm.startswith("otlp"):
+        tracing = TraceConfig(mode="otlp", endpoint=collector_url, job_key="bench", attributes={"job.id": 1},
+                              sample_ratio=0.1 if arm.endswith("%") else 1.0)
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[url], model=model), parallelism=c, verifier="none",
+                          progress_interval_s=1.0, tracing=tracing)
+    sink = CountingSink()
+    cpu0, t0 = time.process_time(), time.monotonic()
+    summary = await run_collection(spec, task_items(rows_math(n)), sink, None)
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0  # includes the final flush of the export
+    return {"arm": arm, "rollouts": sink.ok, "failed": summary.failed, "wall_s": wall, "rps": sink.ok / wall,
+            "cpu_ms_per_rollout": 1000 * cpu / max(1, sink.ok)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=3000, help="rollouts per run")
+    ap.add_argument("-c", type=int, default=64, help="concurrency")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ttft-ms", type=float, default=0.0, help="the simulator's time to first token (0: the worker's CPU "
+                    "is the limit, the worst case for tracing)")
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="the simulator's time between tokens (16 tokens)")
+    ap.add_argument("--json", help="write the runs and the table here")
+    args = ap.parse_args()
+
+    sim = start_simulator(seed=0, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, jitter=0, output_len_min=16, output_len_max=16)
+    col = subprocess.Popen([sys.executable, "-c", COLLECTOR % ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    collector_url = col.stdout.readline().strip()
+    runs: list[dict] = []
+    try:
+        asyncio.run(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c))  # warm: imports, connections
+        for r in range(args.rounds):
+            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            for arm in order:
+                res = asyncio.run(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c))
+                res["round"] = r
+                runs.append(res)
+                print(f"round {r} {arm:6s} {res['rps']:8.1f} rollouts/s  {res['cpu_ms_per_rollout']:6.3f} CPU ms/rollout",
+                      flush=True)
+        col.stdin.write("\n")
+        col.stdin.flush()
+        exported = col.stdout.readline().split()
+    finally:
+        sim.stop()
+        col.kill()
+
+    med = {arm: {k: statistics.median(x[k] for x in runs if x["arm"] == arm) for k in ("rps", "cpu_ms_per_rollout")}
+           for arm in ARMS}
+    base = med["off A"]
+    print(f"\nTracing overhead: {args.rounds} rounds x {args.n} rollouts at concurrency {args.c}, "
+          f"verifier none, simulator TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms x 16 tokens (medians)\n")
+    print(f"{'arm':26s} {'rollouts/s':>11s} {'ratio':>7s} {'CPU ms/rollout':>15s} {'ratio':>7s}")
+    table = []
+    for arm in ARMS:
+        m = med[arm]
+        row = {"arm": arm, "label": LABELS[arm], "rps": m["rps"], "rps_ratio": m["rps"] / base["rps"],
+               "cpu_ms_per_rollout": m["cpu_ms_per_rollout"],
+               "cpu_ratio": m["cpu_ms_per_rollout"] / base["cpu_ms_per_rollout"]}
+        table.append(row)
+        print(f"{LABELS[arm]:26s} {row['rps']:11.1f} {row['rps_ratio']:7.3f} {row['cpu_ms_per_rollout']:15.3f} "
+              f"{row['cpu_ratio']:7.3f}")
+    if len(exported) == 3:
+        print(f"\ncollector received {exported[1]} spans in {exported[0]} exports ({int(exported[2]) / 1e6:.1f} MB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs, "table": table, "exported": exported}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""REST of the rollout stream for trainers (controlplane.jobs.stream): long-poll a batch, acknowledge it, list
+the consumers. Thin: validation here, the cursor logic in the jobs app."""
+from __future__ import annotations
+
+import json
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.http import HttpResponse
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.access import visible_jobs
+from controlplane.disclosure import shown_for
+from controlplane.jobs import stream
+from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
+from controlplane.rest.exceptions import Conflict
+from controlplane.rest.fields import StrictJSONTypes
+from controlplane.rest.parsers import JSONParser
+
+from .serializers import FiniteFloatField, RolloutSerializer
+
+CONSUMER_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+TOKEN_REGEX = r"^[0-9a-f]{1,64}$"
+
+
+def _consumer_field(**kw):
+    return serializers.RegexField(CONSUMER_REGEX, max_length=100,
+                                  help_text="The consumer's name (letters, digits, . _ -): its durable cursor", **kw)
+
+
+class StreamQuerySerializer(serializers.Serializer):
+    consumer = _consumer_field()
+    max = serializers.IntegerField(min_value=1, max_value=stream.MAX_BATCH, default=100,
+                                   help_text="At most this many rollouts (groups mode: whole groups only, at least one)")
+    wait = FiniteFloatField(min_value=0, max_value=stream.MAX_WAIT_S, default=0,
+                            help_text="Long-poll: wait up to this many seconds for rollouts to land")
+    groups = serializers.BooleanField(default=False, help_text="Complete groups only: all repeats of a task together "
+                                                               "(fixed when the consumer is first used)")
+    skip_equal = serializers.BooleanField(default=False, help_text="Groups mode: leave out groups whose rewards are "
+                                                                   "all equal (fixed when the consumer is first used)")
+    ack = serializers.RegexField(TOKEN_REGEX, max_length=64, required=False,
+                                 help_text="Acknowledge this batch token first (as POST .../stream/ack/ would): one "
+                                           "request per batch")
+
+
+class StreamRolloutSerializer(RolloutSerializer):
+    lag = serializers.SerializerMethodField(help_text="Version lag when handed out (current - version at dispatch)")
+    trajectory = None  # derived from `data`, which a trainer gets whole; the database writes the stream's rows
+
+    class Meta(RolloutSerializer.Meta):
+        fields = [*(f for f in RolloutSerializer.Meta.fields if f != "trajectory"), "lag"]
+        read_only_fields = fields
+
+    def get_lag(self, obj) -> int | None:
+        return stream.lag_of(obj.weight_version, self.context.get("current_version"))
+
+
+class StreamBatchSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    consumer = serializers.CharField()
+    token = serializers.CharField(help_text="Acknowledge the batch with it (POST .../stream/ack/); '' = no batch")
+    cursor = serializers.IntegerField(help_text="Where the consumer's cursor goes once the batch is acknowledged")
+    redelivered = serializers.BooleanField(help_text="The batch was handed out before and not acknowledged")
+    count = serializers.IntegerField()
+    skipped_stale = serializers.IntegerField(help_text="Rollouts past max_version_lag settled by this take")
+    skipped_equal = serializers.IntegerField(help_text="Groups with all rewards equal left out by this take")
+    current_version = serializers.IntegerField(allow_null=True)
+    groups = serializers.ListField(child=serializers.ListField(child=serializers.IntegerField()), allow_null=True,
+                                   help_text="Groups mode: the batch's groups, each the ids of all repeats of a task")
+    rollouts = StreamRolloutSerializer(many=True)
+
+
+class StreamAckSerializer(StrictJSONTypes, serializers.Serializer):
+    consumer = _consumer_field()
+    token = serializers.RegexField(TOKEN_REGEX, max_length=64, help_text="The batch's token")
+
+
+class StreamAckResultSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    consumer = serializers.CharField()
+    cursor = serializers.IntegerField()
+    acked = serializers.IntegerField(help_text="Rollouts acknowledged by this call (0: acknowledged before)")
+    delivered = serializers.IntegerField(help_text="Rollouts the consumer acknowledged in all")
+
+
+class StreamConsumerSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    groups = serializers.BooleanField()
+    skip_equal = serializers.BooleanField()
+    cursor = serializers.IntegerField()
+    delivered = serializers.IntegerField()
+    pending = serializers.IntegerField()
+    updated_at = serializers.DateTimeField()
+
+
+class StreamConsumersSerializer(serializers.Serializer):
+    job = serializers.IntegerField()
+    consumers = StreamConsumerSerializer(many=True)
+
+
+class _JobStreamView(ApiMixin, APIView):
+    parser_classes = [JSONParser]
+
+    def get_job(self, job_id):
+        job = visible_jobs(self.request.user).filter(pk=int(job_id)).first()
+        if job is None:
+            raise NotFound("No CollectionJob matches the given query.")
+        return job
+
+
+class JobStreamView(_JobStreamView):
+    @extend_schema(summary="Take the consumer's next batch of verified rollouts (long-poll); exactly once per "
+                           "consumer: the batch comes again until acknowledged",
+                   parameters=[StreamQuerySerializer],
+                   responses={200: StreamBatchSerializer, **errors(400, 409, *READ_ERRORS)})
+    def get(self, request, job_id: str):
+        job = self.get_job(job_id)
+        q = query_params(StreamQuerySerializer, request)
+        try:
+            if q.get("ack"):
+                stream.ack(job, q["consumer"], q["ack"])
+            batch = stream.take(job, q["consumer"], max_n=q["max"], wait_s=q["wait"], groups=q["groups"],
+                                skip_equal=q["skip_equal"])
+        except stream.StreamConflict as exc:
+            raise Conflict(str(exc)) from exc
+        # The body is written here, not by a serializer and the renderer: each row's stored `data` is spliced
+        # in as the JSON text PostgreSQL returns, never decoded and encoded again (a ModelSerializer per row and
+        # the jsonb round trip cost more than the rest of the request at 1,000 rows a batch). Same fields as
+        # StreamRolloutSerializer, which documents them.
+        fields = [f for f in StreamRolloutSerializer.Meta.fields if f not in ("data", "lag")]
+        rows = stream.rows_json(batch["ids"], fields)
+        head = {"job": job.pk, "consumer": q["consumer"], "token": batch["token"], "cursor": batch["cursor"],
+                "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
+                "skipped_equal": batch["skipped_equal"], "current_version": batch["current_version"],
+                "groups": stream.group_ids(job, [r for r, _ in rows]) if q["groups"] else None}
+        parts = []
+        for row, text in rows:
+            lag = stream.lag_of(row["weight_version"], batch["current_version"])
+            parts.append(text[:-1] + ', "error": ' + _dumps(shown_for(request.user, row["error"]))
+                         + ', "lag": ' + ("null" if lag is None else str(lag)) + "}")
+        body = _dumps(head)[:-1] + ', "rollouts": [' + ", ".join(parts) + "]}"
+        return HttpResponse(body.encode(), content_type="application/json")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, cls=DjangoJSONEncoder, ensure_ascii=False)
+
+
+class JobStreamAckView(_JobStreamView):
+    @extend_schema(summary="Acknowledge the consumer's batch: its cursor moves past it for good",
+                   request=StreamAckSerializer,
+                   responses={200: StreamAckResultSerializer, **errors(400, 409, *READ_ERRORS)})
+    def post(self, request, job_id: str):
+        job = self.get_job(job_id)
+        ser = StreamAckSerializer(data=request.data)
+        ser.is_valid(raise_exception=True)
+        try:
+            out = stream.ack(job, ser.validated_data["consumer"], ser.validated_data["token"])
+        except stream.StreamConflict as exc:
+            raise Conflict(str(exc)) from exc
+        return Response({"job": job.pk, "consumer": ser.validated_data["consumer"], **out})
+
+
+class JobStreamConsumersView(_JobStreamView):
+    @extend_schema(summary="The job's stream consumers: cursor, rollouts acknowledged, batch pending",
+                   responses={200: StreamConsumersSerializer, **errors(*READ_ERRORS)})
+    def get(self, request, job_id: str):
+        job = self.get_job(job_id)
+        return Response({"job": job.pk, "consumers": stream.consumers(job)})
+

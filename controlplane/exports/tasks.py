@@ -1,0 +1,45 @@
+"""Exports of a finished job, off the request path: the OpenTelemetry job span and the MLflow run."""
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from controlplane.jobs.models import CollectionJob
+
+from . import mlflow_export, tracing
+
+log = logging.getLogger(__name__)
+
+ENDS = ("job.completed", "job.failed")
+
+
+@shared_task(name="controlplane.exports.tasks.export_job_task", ignore_result=True)
+def export_job_task(job_id: int) -> dict:
+    job = CollectionJob.objects.select_related("endpoint", "dataset").filter(pk=job_id).first()
+    if job is None:
+        return {"job": job_id, "gone": True}
+    out = {"job": job_id, "job_span": False, "mlflow_run_id": None}
+    try:
+        out["job_span"] = tracing.export_job_span(job)
+    except Exception:  # noqa: BLE001 - a tracker being down never fails anything else
+        log.exception("job %s: exporting the job span failed", job_id)
+    try:
+        out["mlflow_run_id"] = mlflow_export.export_job(job)
+    except Exception:  # noqa: BLE001
+        log.exception("job %s: MLflow export failed", job_id)
+    return out
+
+
+def wanted(info: dict) -> bool:
+    return tracing.enabled() or mlflow_export.job_wants(info.get("job_id"))
+
+
+def on_notice(kind: str, info: dict) -> None:
+    """A job ended (controlplane.notices): queue its exports when it has any. Quick: at most one query and a
+    queue message; nothing here calls out."""
+    if kind in ENDS and info.get("job_id") and wanted(info):
+        try:
+            export_job_task.delay(info["job_id"])
+        except Exception:  # noqa: BLE001 - no broker: logged, never raised into the job
+            log.exception("job %s: could not queue its exports", info["job_id"])

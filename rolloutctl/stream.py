@@ -1,0 +1,113 @@
+"""The rollout stream as a library a trainer imports (HTTP only, no Django):
+
+    from rolloutctl.stream import RolloutStream
+
+    stream = RolloutStream("http://127.0.0.1:8000", token, job=42, consumer="grpo", max=64, groups=True,
+                           skip_equal=True)
+    for batch in stream.batches():          # long-polls GET /api/jobs/42/stream/
+        for group in batch.groups():        # all repeats of a task together
+            ...                             # compute the loss, step
+    # each batch is acknowledged when the loop asks for the next one: a trainer killed inside the loop body
+    # gets the same batch again after its restart (same consumer name), and an acknowledged batch never again.
+
+Exactly once per consumer name: the control plane keeps the cursor. Acknowledge yourself with
+`stream.take()` / `stream.ack(batch)` when a step must be saved (a checkpoint) before the batch counts as done.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .client import Client
+
+TERMINAL_STATES = {"completed", "cancelled", "failed"}
+
+
+@dataclass
+class Batch:
+    job: int
+    consumer: str
+    token: str
+    cursor: int
+    redelivered: bool
+    rollouts: list[dict] = field(default_factory=list)
+    skipped_stale: int = 0
+    skipped_equal: int = 0
+    current_version: int | None = None
+    group_ids: list[list[int]] | None = None  # groups mode: each group's rollout ids
+    taken_at: float = 0.0  # time.time() when the trainer had it
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def groups(self) -> list[list[dict]]:
+        """The batch's complete groups (all repeats of a task, in repeat order) when the stream was opened with
+        groups=True; otherwise the rollouts by task_index."""
+        if self.group_ids is not None:
+            by_id = {r["id"]: r for r in self.rollouts}
+            return [[by_id[i] for i in g if i in by_id] for g in self.group_ids]
+        out: dict[int, list[dict]] = {}
+        for r in self.rollouts:
+            out.setdefault(r["task_index"], []).append(r)
+        return [sorted(g, key=lambda r: r["rollout_index"]) for g in out.values()]
+
+
+class RolloutStream:
+    def __init__(self, base_url: str, token: str | None, job: int, consumer: str, *, max: int = 100,  # noqa: A002
+                 wait: float = 10.0, groups: bool = False, skip_equal: bool = False, client: Client | None = None):
+        self.client = client or Client(base_url, token, timeout_s=max_wait(wait) + 30)
+        self.job = int(job)
+        self.consumer = consumer
+        self.max = int(max)
+        self.wait = float(wait)
+        self.groups = bool(groups)
+        self.skip_equal = bool(skip_equal)
+
+    def take(self, wait: float | None = None, ack: Batch | None = None) -> Batch | None:
+        """The consumer's next batch (the unacknowledged one again, if any); None when nothing landed within
+        `wait` seconds. `ack`: acknowledge that batch in the same request. Retried on connection errors: a
+        repeated take hands out the same pending batch (and a repeated ack is a no-op)."""
+        params = {"consumer": self.consumer, "max": self.max, "wait": self.wait if wait is None else wait,
+                  "groups": str(self.groups).lower(), "skip_equal": str(self.skip_equal).lower()}
+        if ack is not None:
+            params["ack"] = ack.token
+        body = self.client.get_json(f"jobs/{self.job}/stream/", params=params)
+        if not body["count"]:
+            return None
+        return Batch(job=body["job"], consumer=body["consumer"], token=body["token"], cursor=body["cursor"],
+                     redelivered=body["redelivered"], rollouts=body["rollouts"], skipped_stale=body["skipped_stale"],
+                     skipped_equal=body["skipped_equal"], current_version=body["current_version"],
+                     group_ids=body.get("groups"), taken_at=time.time())
+
+    def ack(self, batch: Batch) -> dict:
+        """Acknowledge: the batch never comes again (a retried ack is a no-op)."""
+        return self.client.request("POST", f"jobs/{self.job}/stream/ack/", retry=True,
+                                   json={"consumer": self.consumer, "token": batch.token}).json()
+
+    def batches(self, *, until_finished: bool = True, idle_timeout_s: float | None = None) -> Iterator[Batch]:
+        """Batches as they land, each acknowledged with the take of the next (`?ack=`). Leaving the loop (an
+        exception, break) leaves the current batch unacknowledged: call ack(batch) first if it counts as done.
+        Stops when the job is at an end and nothing is left (until_finished), or after idle_timeout_s without
+        a batch."""
+        idle_since = time.monotonic()
+        done: Batch | None = None  # the batch the loop body finished: acknowledged with the next take
+        while True:
+            batch = self.take(ack=done)
+            done = None
+            if batch is None:
+                if until_finished and self.client.job(self.job)["state"] in TERMINAL_STATES:
+                    batch = self.take(wait=0)  # rows stored just before the end
+                    if batch is None:
+                        return
+                elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                    return
+                else:
+                    continue
+            idle_since = time.monotonic()
+            yield batch  # a loop left here (an exception, break) leaves this batch unacknowledged: it comes again
+            done = batch
+
+
+def max_wait(wait: float) -> float:
+    return max(0.0, min(float(wait), 30.0))

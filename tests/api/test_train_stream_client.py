@@ -1,0 +1,55 @@
+"""rolloutctl.stream against a live server: a trainer killed inside its loop body gets the batch again after
+its restart; rollouts that land while it long-polls reach it; every ok rollout exactly once."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from controlplane.jobs.models import Rollout
+from rolloutctl.stream import RolloutStream
+from tests.factories import add_rollouts, make_dataset, make_endpoint, make_job, make_user
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_trainer_restarted_mid_batch_continues_exactly_once(live_server):
+    user = make_user("trainer-owner", token=True)
+    job = make_job(user, make_dataset(user, n=5), make_endpoint(user), n_rollouts=30, repeats=3, state="running",
+                   rewards=lambda t, r: float(r == 0))
+    open_stream = lambda: RolloutStream(live_server.url, user.api_token, job.pk, "ppo", max=6, wait=1.0,  # noqa: E731
+                                        groups=True)
+    seen, killed_batch = [], None
+    with pytest.raises(Killed):
+        for batch in open_stream().batches(idle_timeout_s=3):
+            if len(seen) >= 12:  # the trainer dies mid-batch, after two acknowledged batches
+                killed_batch = [r["id"] for r in batch.rollouts]
+                raise Killed
+            seen += [r["id"] for r in batch.rollouts]
+
+    def land_more():  # new rollouts land while the restarted trainer waits
+        time.sleep(0.5)
+        add_rollouts(job, 3, start_task=500)  # repeat 0 only: with 3 repeats these groups are not complete
+        for t in range(500, 503):
+            for r in (1, 2):
+                Rollout.objects.create(job=job, task_index=t, rollout_index=r, status="ok", reward=float(r), data={})
+
+    writer = threading.Thread(target=land_more)
+    writer.start()
+    restarted = open_stream()
+    first = True
+    for batch in restarted.batches(until_finished=False, idle_timeout_s=3):
+        if first:
+            assert batch.redelivered and [r["id"] for r in batch.rollouts] == killed_batch
+            first = False
+        for group in batch.groups():
+            assert len(group) == 3 and len({r["task_index"] for r in group}) == 1
+            assert [r["rollout_index"] for r in group] == [0, 1, 2]
+        seen += [r["id"] for r in batch.rollouts]
+    writer.join()
+    ok_ids = sorted(Rollout.objects.filter(job=job, status="ok").values_list("id", flat=True))
+    assert len(ok_ids) == 39 and sorted(seen) == ok_ids and len(seen) == len(set(seen))

@@ -1,0 +1,96 @@
+"""Versions on both ends: each rollout's weight version at dispatch and at completion; a rollout that ran
+across a weight update is marked (spans_update)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from controlplane.endpoints.models import WeightVersion
+from controlplane.jobs.versions import VersionTagger, after_update, backfill
+from controlplane.jobs import services
+from controlplane.jobs.models import Rollout
+from controlplane.jobs.sink import _rollout_values, insert_rollouts
+from workers.engine.types import RolloutResult
+
+
+def _history(ep, *ago):
+    now = timezone.now()
+    for n, s in enumerate(ago, start=1):
+        WeightVersion.objects.create(endpoint=ep, version=str(n), previous_version=str(n - 1) if n > 1 else "",
+                                     trace_id=f"t{n}", started_at=now - timedelta(seconds=s),
+                                     applied_at=now - timedelta(seconds=s - 1))
+
+
+def test_a_rollout_dispatched_before_an_update_and_completed_after_is_marked(user, sim_endpoint, math_dataset):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    _history(ep, 100, 10)  # version 1 from 100 s ago, version 2 from 10 s ago
+    tagger = VersionTagger(ep.pk, job.pk)
+    batch = []
+    for i, wall_s in enumerate([200, 50, 5]):
+        r = RolloutResult(task_index=i, rollout_index=0, ok=True, output_row={}, reward=1.0, wall_ms=wall_s * 1000)
+        tagger.stamp(r)
+        batch.append(r)
+    tagger.tag(batch)
+    assert [(r.weight_version, r.completed_version) for r in batch] == [("0", "2"), ("1", "2"), ("2", "2")]
+    insert_rollouts([_rollout_values(job.pk, "w", r, timezone.now()) for r in batch])
+    got = {t: (v, c, s) for t, v, c, s in Rollout.objects.filter(job=job).values_list(
+        "task_index", "weight_version", "completed_version", "spans_update")}
+    assert got == {0: ("0", "2", True), 1: ("1", "2", True), 2: ("2", "2", False)}
+
+
+def test_a_reported_version_is_kept_and_completion_is_read_from_the_history(user, sim_endpoint):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    _history(ep, 100, 10)
+    tagger = VersionTagger(ep.pk)
+    r = RolloutResult(task_index=0, rollout_index=0, ok=True, output_row={}, wall_ms=50_000, weight_version="1")
+    tagger.stamp(r)
+    tagger.tag([r])
+    assert (r.weight_version, r.completed_version) == ("1", "2")
+
+
+def test_no_history_means_one_version_for_both_ends(user, sim_endpoint, math_dataset):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(2), endpoint=ep, launch=False)
+    r = RolloutResult(task_index=0, rollout_index=0, ok=True, output_row={}, wall_ms=5, weight_version="3")
+    tagger = VersionTagger(ep.pk, job.pk)
+    tagger.stamp(r)
+    tagger.tag([r])
+    insert_rollouts([_rollout_values(job.pk, "w", r, timezone.now())])
+    row = Rollout.objects.get(job=job)
+    assert (row.weight_version, row.completed_version, row.spans_update) == ("3", "3", False)
+
+
+def test_rows_written_while_an_update_ran_are_fixed_at_both_ends(user, sim_endpoint, math_dataset):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    _history(ep, 100)
+    since = Rollout.objects.order_by("-id").values_list("id", flat=True).first() or 0
+    now = timezone.now()
+    # stored 1 s ago with the previous version by their sink; the update's pause went out 5 s ago.
+    # (wall s): 20 -> dispatched before the pause (spans it); 2 -> dispatched after it (the new version)
+    for i, wall in enumerate([20, 2]):
+        Rollout.objects.create(job=job, task_index=i, rollout_index=0, status="ok", data={}, wall_ms=wall * 1000,
+                               created_at=now - timedelta(seconds=1), weight_version="1", completed_version="1")
+    WeightVersion.objects.create(endpoint=ep, version="2", previous_version="1", trace_id="t2",
+                                 started_at=now - timedelta(seconds=5), applied_at=now)
+    assert after_update(ep.pk, since) == 1
+    got = {t: (v, c, s) for t, v, c, s in Rollout.objects.filter(job=job).values_list(
+        "task_index", "weight_version", "completed_version", "spans_update")}
+    assert got == {0: ("1", "2", True), 1: ("2", "2", False)}
+
+
+def test_backfill_sets_both_ends(user, sim_endpoint, math_dataset):
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    now = timezone.now()
+    for i, (ago, wall) in enumerate([(50, 10), (3, 10), (3, 1)]):
+        Rollout.objects.create(job=job, task_index=i, rollout_index=0, status="ok", data={}, wall_ms=wall * 1000,
+                               created_at=now - timedelta(seconds=ago))
+    WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t", started_at=now - timedelta(seconds=5),
+                                 applied_at=now)
+    assert backfill(ep.pk) == 3
+    got = {t: (v, c, s) for t, v, c, s in Rollout.objects.filter(job=job).values_list(
+        "task_index", "weight_version", "completed_version", "spans_update")}
+    assert got == {0: ("0", "0", False), 1: ("0", "1", True), 2: ("1", "1", False)}

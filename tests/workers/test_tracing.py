@@ -1,0 +1,71 @@
+"""workers/tracing.py without the control plane: off, a run never loads OpenTelemetry; on, a dead OTLP endpoint
+costs the run at most the bounded flush at its end, never its rollouts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from workers.diagnosis.scenarios import rows_math, task_items
+from workers.engine.runner import run_collection_sync
+from workers.engine.types import CollectionSpec, EndpointSpec
+from workers.tracing import FLUSH_TIMEOUT_MS, TraceConfig, run_tracer, sampled
+
+
+class Sink:
+    def __init__(self):
+        self.results = []
+
+    async def rollout(self, r):
+        self.results.append(r)
+
+    async def progress(self, t):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_off_never_imports_opentelemetry(simulator):
+    code = textwrap.dedent(f"""
+        import sys
+        from workers.diagnosis.scenarios import rows_math, task_items
+        from workers.engine.runner import run_collection_sync
+        from workers.engine.types import CollectionSpec, EndpointSpec
+        import workers.nemo_gym.engine
+        from tests.workers.test_tracing import Sink
+        sink = Sink()
+        spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[{simulator.url!r}], model={simulator.model!r}),
+                              parallelism=4, verifier="none")
+        s = run_collection_sync(spec, task_items(rows_math(20)), sink)
+        assert s.completed == 20 and all(r.trace_id for r in sink.results)
+        print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    assert run_tracer(None) is None and run_tracer(TraceConfig(mode="otlp", endpoint="")) is None
+
+
+def test_a_dead_collector_costs_at_most_the_final_flush(simulator):
+    sink = Sink()
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[simulator.url], model=simulator.model), parallelism=8,
+                          verifier="none", tracing=TraceConfig(mode="otlp", endpoint="http://127.0.0.1:9/v1/traces",
+                                                               job_key="dead"))
+    t0 = time.monotonic()
+    summary = run_collection_sync(spec, task_items(rows_math(200)), sink)
+    took = time.monotonic() - t0
+    assert summary.completed == 200 and not summary.fatal_error
+    assert took < FLUSH_TIMEOUT_MS / 1000 + 10
+
+
+def test_sampling_is_by_trace_id():
+    import random
+
+    rnd = random.Random(7)
+    ids = [f"{rnd.getrandbits(128):032x}" for _ in range(20000)]
+    share = sum(sampled(t, 0.25) for t in ids) / len(ids)
+    assert 0.23 < share < 0.27
+    assert [sampled(t, 0.25) for t in ids[:500]] == [sampled(t, 0.25) for t in ids[:500]]  # a function of the id
+    assert all(sampled(t, 1.0) for t in ids[:100]) and not any(sampled(t, 0.0) for t in ids[:100])
