@@ -290,6 +290,69 @@ def _keys_of(path: Path):
                 continue
 
 
+NO_PERSIST, TERMINAL = "_ng_no_persist", "_ng_failure_terminal"  # nemo-gym 0.4.0's NG_NO_PERSIST_KEY, NG_TERMINAL_KEY
+
+
+def ledger(path: Path) -> tuple[dict, set, dict]:
+    """NeMo Gym's failures ledger `<out>_failures.jsonl` (one line per failed attempt): (attempts per (task,
+    rollout), the pairs a line marks `_ng_failure_terminal`, the last line of each pair)."""
+    attempts, terminal, last = {}, set(), {}
+    for key, row in _keys_of(path):
+        attempts[key] = attempts.get(key, 0) + 1
+        last[key] = row
+        if row.get(TERMINAL):
+            terminal.add(key)
+    return attempts, terminal, last
+
+
+def retry_from_ledger(job, out_path) -> dict:
+    """+resume_from_cache on a job that has run before (the same command again), as nemo-gym 0.4.0's
+    _load_from_cache: each failed rollout of the job is collected again unless its ledger holds
+    max_rollout_attempts() lines for it or marks it `_ng_failure_terminal` (a `_ng_no_persist` failure has no
+    line there: it is always retried); a failed rollout whose pair `<out>.jsonl` holds is done (import_cache takes
+    it in). The ledger's lines stay where they are: the job's part of the failures file begins after them
+    (outfiles, `after_pk`), so each failure of this run is one more line. Returns {"retry": [(task, rollout)],
+    "capped": n, "terminal": n, "cap": n}."""
+    from .export import export_paths
+    from .models import JobChunk, JobState, Rollout
+    from .services import refresh_counts, retry_failed
+
+    paths = export_paths(out_path)
+    done = {key for key, _row in _keys_of(paths["output"])}
+    attempts, terminal, _last = ledger(paths["failures"])
+    cap = max_rollout_attempts()
+    drop, retry, capped, final = [], [], 0, 0
+    for pk, t, r, data in Rollout.objects.filter(job=job, status=Rollout.Status.FAILED).values_list(
+            "pk", "task_index", "rollout_index", "data").iterator(chunk_size=2000):
+        key = (t, r)
+        if key in done:
+            drop.append(pk)
+        elif key in terminal or (isinstance(data, dict) and data.get(TERMINAL)):
+            final += 1
+        elif attempts.get(key, 0) >= cap:
+            capped += 1
+        else:
+            drop.append(pk)
+            retry.append(key)
+    where = os.path.abspath(paths["failures"])
+    state = dict(job.output_files or {})
+    last_pk = Rollout.objects.filter(job=job).order_by("-pk").values_list("pk", flat=True).first() or 0
+    size = paths["failures"].stat().st_size if paths["failures"].exists() else 0
+    state["failures"] = {"path": where, "start": size, "after_pk": last_pk}  # the lines before: the ledger's
+    job.output_files = state
+    type(job).objects.filter(pk=job.pk).update(output_files=state)
+    if drop:
+        if job.state in JobState.TERMINAL:
+            retry_failed(job, launch=False, only=drop)
+        else:  # paused, or left running by a killed run: the inline runner resumes it
+            Rollout.objects.filter(pk__in=drop).delete()
+            JobChunk.objects.filter(job=job, state=JobChunk.State.DONE).update(
+                state=JobChunk.State.PENDING, finished_at=None)
+            refresh_counts(job)
+        job.refresh_from_db()
+    return {"retry": retry, "capped": capped, "terminal": final, "cap": cap}
+
+
 def import_cache(job, out_path) -> dict:
     """NeMo Gym's resume_from_cache: the rollouts in the output file are done (imported into the job as stored
     rows unless it has them); failures in `<out>_failures.jsonl` (one line per attempt) are not retried once a
@@ -317,12 +380,7 @@ def import_cache(job, out_path) -> dict:
             new[key] = Rollout(job=job, task_index=key[0], rollout_index=key[1], status=Rollout.Status.OK,
                                reward=row.get("reward") if isinstance(row.get("reward"), (int, float)) else None,
                                data=row, worker="resume_from_cache", created_at=now)
-    attempts, terminal, last = {}, set(), {}
-    for key, row in _keys_of(paths["failures"]):
-        attempts[key] = attempts.get(key, 0) + 1
-        last[key] = row
-        if row.get("_ng_failure_terminal"):
-            terminal.add(key)
+    attempts, terminal, last = ledger(paths["failures"])
     gated = {k for k, n in attempts.items() if n >= max_rollout_attempts()} | terminal
     for key in (gated & expected) - done - have:
         if key not in new:

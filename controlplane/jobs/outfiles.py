@@ -18,7 +18,11 @@ rollout done (imported into the job), so the job's part of it is the whole file.
 Gym's attempt ledger: one line per failed rollout per run, appended and never rewritten (its resume counts the
 lines of a rollout to stop retrying it after NEMO_GYM_MAX_ROLLOUT_ATTEMPTS). Its earlier lines stay; the job's
 part is after them and holds this run's failures only, not the failed rollouts imported from it
-(worker IMPORTED).
+(worker IMPORTED). When the same job resumes from the cache again (dropin.retry_from_ledger), its part of the
+ledger begins at the file's end and holds the failed rollouts stored after `after_pk` only.
+
+A failure the agent marks `_ng_no_persist` (NeMo Gym's kill-shaped failures) is written to neither file, as NeMo
+Gym writes it nowhere: the job keeps it as a failed rollout, and a resume from the cache collects it again.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ import os
 import threading
 from pathlib import Path
 
-from .export import export_paths, export_row, iter_export_rows
+from .export import EXPORT_CHUNK_ROWS, export_paths, export_row
 from .models import CollectionJob, Rollout
 
 KINDS = (("output", Rollout.Status.OK), ("failures", Rollout.Status.FAILED))
 IMPORTED = "resume_from_cache"  # the worker of a rollout dropin.import_cache took from the output files
+NO_PERSIST = "_ng_no_persist"
 
 
 def _dumps(row: dict) -> str:
@@ -127,7 +132,7 @@ class OutputFiles:
                             self.repaired[kind] += 1
                 n += self.repaired[kind]
             self.lines[kind] = n
-            state[kind] = {"path": where, "start": start}
+            state[kind] = {**(mine if mine.get("path") == where else {}), "path": where, "start": start}
             self.files[kind] = open(path, "a", encoding="utf-8")
         CollectionJob.objects.filter(pk=self.job.pk).update(output_files=state)
         self.job.output_files = state
@@ -135,21 +140,32 @@ class OutputFiles:
 
     def _stored(self, kind: str):
         """The job's rollouts that belong in its part of the file `kind`: under resume_from_cache, not the failed
-        rollouts imported from the failures ledger (their lines are there already, before the job's part)."""
+        rollouts imported from the failures ledger (their lines are there already, before the job's part), nor
+        those stored before a resume from the cache rebased the part (`after_pk`); never a `_ng_no_persist` one."""
         qs = Rollout.objects.filter(job=self.job, status=dict(KINDS)[kind])
-        return qs.exclude(worker=IMPORTED) if self.whole_file and kind == "failures" else qs
+        if kind != "failures":
+            return qs
+        after = ((self.job.output_files or {}).get("failures") or {}).get("after_pk")
+        if after is not None:
+            qs = qs.filter(pk__gt=after)
+        if self.whole_file or after is not None:
+            qs = qs.exclude(worker=IMPORTED)
+        unwritten = Rollout.objects.filter(job=self.job, status=Rollout.Status.FAILED, data___ng_no_persist=True)
+        return qs.exclude(pk__in=unwritten.values("pk"))
 
     def _rows(self, kind: str):
-        which = "ok" if kind == "output" else "failed"
-        if self.whole_file and kind == "failures":
-            return iter_export_rows(self.job, which, exclude_worker=IMPORTED)
-        return iter_export_rows(self.job, which)
+        qs = self._stored(kind).order_by("task_index", "rollout_index").values_list(
+            "task_index", "rollout_index", "status", "failure_class", "error", "data", "weight_version")
+        for values in qs.iterator(chunk_size=EXPORT_CHUNK_ROWS):
+            yield export_row(*values)
 
     # ----------------------------------------------------------------------------------- streaming
     def stored(self, rows: list[dict]) -> None:
         """DbSink.on_stored: append the batch's rows (dicts of sink._rollout_values) and flush."""
         by_kind: dict[str, list[str]] = {"output": [], "failures": []}
         for r in rows:
+            if r["status"] != Rollout.Status.OK and isinstance(r["data"], dict) and r["data"].get(NO_PERSIST):
+                continue  # NeMo Gym writes a kill-shaped failure nowhere (module docstring)
             row = export_row(r["task_index"], r["rollout_index"], r["status"], r["failure_class"], r["error"],
                              r["data"], r["weight_version"])
             by_kind["output" if r["status"] == Rollout.Status.OK else "failures"].append(_dumps(row))

@@ -314,8 +314,9 @@ def resume_job(job, launch=True):
     return job
 
 
-def retry_failed(job, launch=True):
-    """Delete the job's failed rollouts and collect those (task, repeat) pairs again.
+def retry_failed(job, launch=True, only=None):
+    """Delete the job's failed rollouts (`only`: those of these primary keys) and collect those (task, repeat)
+    pairs again.
 
     Chunks are reopened and re-run; each chunk skips the pairs already stored, so only the deleted
     (failed) pairs are collected again."""
@@ -325,7 +326,8 @@ def retry_failed(job, launch=True):
         _check_quota_to_reactivate(job)
         fresh = _locked(job)
         fresh._check("retry_failed")
-        deleted, _ = Rollout.objects.filter(job=fresh, status=Rollout.Status.FAILED).delete()
+        failed = Rollout.objects.filter(job=fresh, status=Rollout.Status.FAILED)
+        deleted, _ = (failed if only is None else failed.filter(pk__in=list(only))).delete()
         JobChunk.objects.filter(job=fresh).update(state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None,
                                                   finished_at=None)
         refresh_counts(fresh)

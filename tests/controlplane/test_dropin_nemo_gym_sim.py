@@ -33,10 +33,12 @@ PROFILE_DIR = "results/profiling/run"  # relative, as in seed 003: under each se
 
 
 class FakeNemoGym:
-    """Head, agent and resources servers on three ports, in a thread. `fail_tasks`: /run answers 500 for them."""
+    """Head, agent and resources servers on three ports, in a thread. `fail_tasks`: /run answers 500 for them;
+    `marks`: fields added to a task's answer (an agent's `_ng_failure_class`, `_ng_no_persist`, ...)."""
 
     def __init__(self, root: Path, *, profiling=True, fail_tasks=()):
         self.root, self.profiling, self.fail_tasks = root, profiling, set(fail_tasks)
+        self.marks: dict[int, dict] = {}  # task index -> fields added to its /run answer (`_ng_*` sentinels)
         self.calls = {"run": 0, "aggregate_metrics": 0, "stats": {AGENT: 0, RES: 0}}
         self.ports: dict[str, int] = {}
         self.loop = asyncio.new_event_loop()
@@ -105,7 +107,8 @@ class FakeNemoGym:
                 if body.get("_ng_task_index") in self.fail_tasks:
                     return web.json_response({"detail": "boom"}, status=500)
                 return web.json_response({"responses_create_params": body["responses_create_params"], "reward": 1.0,
-                                          "response": {"usage": {"input_tokens": 5, "output_tokens": 3}}})
+                                          "response": {"usage": {"input_tokens": 5, "output_tokens": 3}},
+                                          **self.marks.get(body.get("_ng_task_index"), {})})
 
             async def aggregate(request):
                 body = await request.json()

@@ -31,7 +31,7 @@ from workers.telemetry.vllm import VllmScraper
 
 from . import AGENT_FLAVOR, HEAD_FLAVOR, REMOTE_VERIFIER
 from .deployment import DeploymentError, resolve
-from .rows import FAILURE_CLASS_KEY, agent_of, output_row, run_body, verify_fields
+from .rows import FAILURE_CLASS_KEY, NO_PERSIST_KEY, agent_of, output_row, run_body, verify_fields
 
 RERESOLVE_MIN_INTERVAL_S = 2.0
 VERIFY_MAX_BYTES = 4 * 1024 * 1024  # a /verify answer is one small JSON object
@@ -226,8 +226,8 @@ class AgentRun(CollectionRun):
         if isinstance(usage, dict):
             result.input_tokens = usage.get("input_tokens")
             result.output_tokens = usage.get("output_tokens")
-        failure = answer.get(FAILURE_CLASS_KEY)
-        if failure:
+        failure = answer.get(FAILURE_CLASS_KEY) or ("no_persist" if answer.get(NO_PERSIST_KEY) else None)
+        if failure:  # `_ng_no_persist` (a kill-shaped failure): failed, and written to no file (jobs.outfiles)
             result.failure_class = f"agent:{failure}"[:40]
             # the agent's own words are its server's text: operators read them, users the class
             result.error = with_detail(f"agent failure {str(failure)[:40]}",

@@ -15,6 +15,7 @@ RCP = "responses_create_params"
 TASK_INDEX = "_ng_task_index"
 ROLLOUT_INDEX = "_ng_rollout_index"
 FAILURE_CLASS_KEY = "_ng_failure_class"
+NO_PERSIST_KEY = "_ng_no_persist"  # nemo-gym 0.4.0: a kill-shaped failure, written nowhere and retried on resume
 SKILLS_REF = "skills_ref"
 
 

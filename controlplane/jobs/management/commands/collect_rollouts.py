@@ -291,6 +291,10 @@ class Command(BaseCommand):
             CollectionJob.objects.filter(pk=job.pk).update(collection_options=kept)  # a job of an earlier version
             job.collection_options = kept
         self._capped_by = capped_by
+        self._retried = None
+        if cfg["resume_from_cache"] and not created and out_path.exists():  # the same command again
+            self._retried = dropin.retry_from_ledger(job, out_path)
+            self.stderr.write(self._retry_line(job, self._retried))
         if not created:
             self.stderr.write(f"Job {job.pk}: resuming ({job.state}, {job.done_count}/{job.total_rollouts} rollouts already stored)"
                               if job.state != JobState.COMPLETED else
@@ -418,6 +422,24 @@ class Command(BaseCommand):
         return job
 
     @staticmethod
+    def _retry_line(job, got: dict) -> str:
+        held = (f"; not retried: {got['capped']} at NEMO_GYM_MAX_ROLLOUT_ATTEMPTS={got['cap']} failure line(s), "
+                f"{got['terminal']} marked _ng_failure_terminal" if got["capped"] or got["terminal"] else "")
+        return (f"Resume from cache: job {job.pk} retries {len(got['retry'])} failed rollout(s) (fewer than "
+                f"{got['cap']} failure lines each in the ledger){held}")
+
+    @staticmethod
+    def _retried_outcome(job, keys: list) -> str:
+        from controlplane.jobs.models import Rollout
+
+        want = set(keys)
+        got = [s for t, r, s in Rollout.objects.filter(job=job, task_index__in={t for t, _r in want})
+               .values_list("task_index", "rollout_index", "status") if (t, r) in want]
+        ok = sum(s == Rollout.Status.OK for s in got)
+        return (f"Retried: {len(want)} failed rollout(s): {ok} ok now, {len(got) - ok} failed again"
+                + (f", {len(want) - len(got)} not run" if len(got) < len(want) else ""))
+
+    @staticmethod
     def _throughput_line(job) -> str:
         """The job's throughput as the dashboard, History and the API show it (controlplane.jobs.figures): stored
         rows and tokens over its running time, every run of it (pauses excluded)."""
@@ -453,6 +475,8 @@ class Command(BaseCommand):
             f"Aggregate metrics: {res['aggregate_metrics'] or 'skipped (+disable_aggregation=true)'}",
             f"Materialized inputs: {res['materialized_inputs']}",
         ]
+        if getattr(self, "_retried", None) and self._retried["retry"]:
+            lines.insert(1, self._retried_outcome(job, self._retried["retry"]))
         if job.failed_count:
             from django.db.models import Count
 
