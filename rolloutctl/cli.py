@@ -154,6 +154,8 @@ def do_submit(client: Client, args) -> dict:
             "parallelism_auto": args.parallelism_auto, "verifier": args.verifier,
             "verifier_options": _parse_kv(args.verifier_option, "--verifier-option"), "verify_mode": args.verify_mode,
             "profiling_enabled": args.profiling, "verify_cache": args.verify_cache}
+    if args.profile_servers:  # only when asked: a server before profile_servers takes the job as it was
+        body["profile_servers"] = True
     if args.name:
         body["name"] = args.name
     if args.limit is not None:
@@ -446,6 +448,8 @@ def _add_submit(p):
                    help="export the job as an MLflow run to this tracking server of the deployment (its name or URI)")
     g.add_argument("--chunk-size", type=int)
     g.add_argument("--profiling", action="store_true")
+    g.add_argument("--profile-servers", action="store_true", help="profile the NeMo Gym endpoint's own servers "
+                   "(found through its head server) while the job runs; `rolloutctl profile JOB` shows them")
     g.add_argument("--idempotency-key", default=os.environ.get("ROLLOUTCTL_IDEMPOTENCY_KEY"),
                    help="retrying with the same key returns the same job (env ROLLOUTCTL_IDEMPOTENCY_KEY; "
                         "default: a fresh key per invocation)")

@@ -276,6 +276,10 @@ class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
                                            help_text="Compute identical verifications once per job, across jobs, or never")
     chunk_size = serializers.IntegerField(min_value=1, max_value=settings.JOBS_MAX_CHUNK_SIZE, default=5000)
     profiling_enabled = serializers.BooleanField(default=False)
+    profile_servers = serializers.BooleanField(
+        default=False, help_text="Profile the NeMo Gym deployment's own servers (found through its head server; "
+                                 "ng_run started with +profiling_enabled=true) while the job runs: the job's profile "
+                                 "shows each server's table. A NeMo Gym endpoint only")
     mlflow_tracking_uri = serializers.CharField(
         required=False, allow_blank=True, default="", max_length=2000,
         help_text="Export the job as an MLflow run: the name (or exact URI) of one of the deployment's tracking "
@@ -308,18 +312,22 @@ class JobSerializer(ShownToUser, serializers.ModelSerializer):
 
     owner = serializers.CharField(source="owner.username", read_only=True, default=None, allow_null=True)
     progress = serializers.SerializerMethodField()
+    profile_servers = serializers.SerializerMethodField()
 
     class Meta:
         model = CollectionJob
         fields = ["id", "name", "state", "dataset", "endpoint", "limit", "num_repeats", "num_samples_in_parallel",
                   "parallelism_auto", "responses_create_params", "verifier", "verifier_options", "verify_mode",
-                  "chunk_size", "profiling_enabled", "idempotency_key", "max_version_lag", "stale_policy",
+                  "chunk_size", "profiling_enabled", "profile_servers", "idempotency_key", "max_version_lag", "stale_policy",
                   "progress", "stalled", "stall_reason",
                   "error_message",
                   "owner", "created_at", "started_at", "finished_at", "last_progress_at"]
         read_only_fields = fields
 
     @extend_schema_field(ProgressSerializer)
+    def get_profile_servers(self, job) -> bool:
+        return bool((job.collection_options or {}).get("profile_servers"))
+
     def get_progress(self, job):
         return {"total": job.total_rollouts, "completed": job.completed_count, "failed": job.failed_count,
                 "done": job.done_count, "fraction": job.progress_fraction}

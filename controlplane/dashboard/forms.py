@@ -106,6 +106,9 @@ class LaunchJobForm(forms.Form):
                                      initial="job", required=False)
     chunk_size = forms.IntegerField(min_value=1, initial=5000, help_text="dataset rows per chunk (unit of distribution)")
     profiling_enabled = forms.BooleanField(required=False)
+    profile_servers = forms.BooleanField(required=False, label="Profile NeMo Gym servers",
+                                         help_text="a NeMo Gym endpoint's own servers (ng_run +profiling_enabled=true), "
+                                                   "found through its head server; their tables show on the job page")
     mlflow_tracking_uri = forms.ChoiceField(required=False, label="MLflow", choices=[("", "off")],
                                             help_text="export the job as an MLflow run to one of the deployment's "
                                                       "tracking servers")
@@ -146,6 +149,7 @@ class LaunchJobForm(forms.Form):
             "verify_cache": d.get("verify_cache") or "job",
             "chunk_size": d["chunk_size"],
             "profiling_enabled": d.get("profiling_enabled", False),
+            "profile_servers": d.get("profile_servers", False),
             "idempotency_key": d.get("idempotency_key") or None,
             "mlflow_tracking_uri": d.get("mlflow_tracking_uri") or "",
         }

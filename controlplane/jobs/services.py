@@ -153,8 +153,10 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
                 parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
                 verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
                 output_path="", launch=True, verify_cache="job", operator=False, max_version_lag=None,
-                stale_policy=CollectionJob.StalePolicy.MARK, mlflow_tracking_uri=""):
+                stale_policy=CollectionJob.StalePolicy.MARK, mlflow_tracking_uri="", profile_servers=False):
     """`operator`: the caller is the operator (manage.py commands): dotted-path verifiers are allowed.
+    `profile_servers`: a NeMo Gym endpoint's own servers (discovered from its head server) are profiled while the
+    job runs, as collect_rollouts' +profiling_enabled does (controlplane.profiling.services.profile_run).
     `max_version_lag` / `stale_policy`: bounded staleness for the rollout stream (controlplane.jobs.stream)."""
     if max_version_lag is not None and (not isinstance(max_version_lag, int) or isinstance(max_version_lag, bool)
                                         or not 0 <= max_version_lag <= 2**31 - 1):
@@ -170,6 +172,12 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
               num_samples_in_parallel=num_samples_in_parallel, chunk_size=chunk_size, verifier=verifier,
               verify_mode=verify_mode, responses_create_params=responses_create_params,
               verifier_options=verifier_options, operator=operator, owner=owner)
+    options = {"mlflow": mlflow_name} if mlflow_name else {}
+    if profile_servers:
+        if not endpoint.is_nemo_gym:
+            raise ValidationError({"profile_servers": "only a NeMo Gym endpoint (kind nemo_gym) has servers to profile"})
+        options["profile_servers"] = True
+        profiling_enabled = True  # the job's profiling session holds the servers' windows
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
     with transaction.atomic():
         limits.lock_owner(owner)  # the quota is checked and taken under the lock: concurrent requests wait
@@ -183,7 +191,7 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
             idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
             output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
             max_version_lag=max_version_lag, stale_policy=stale_policy,
-            collection_options={"mlflow": mlflow_name} if mlflow_name else {},
+            collection_options=options,
         )
         JobChunk.objects.bulk_create(
             [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))

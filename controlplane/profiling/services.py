@@ -22,7 +22,7 @@ from controlplane.limits import url_problem
 from workers.engine.verify_pool import SHARED_VERIFY_POOL
 from workers.profiling.control import ProfilingControl, ProfilingSink
 from workers.profiling.core import FuncRow, ProfileConfig, merge_rows
-from workers.profiling.nemo_gym import StatsPuller, log_path_problem
+from workers.profiling.nemo_gym import ServerPuller, StatsPuller, log_path_problem
 
 from .models import ProfileRow, ProfileSession, ProfileSnapshot
 
@@ -46,59 +46,7 @@ class ProfilingForbidden(ProfilingError):
     """A user asked for what only staff may (whole-worker profiling)."""
 
 
-# ------------------------------------------------------------------------------- stats_urls scope
-def _hostport(url: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    try:
-        u = urlsplit(url)
-        port = u.port or (443 if u.scheme == "https" else 80)
-    except ValueError:
-        return None
-    return f"{(u.hostname or '').lower().rstrip('.')}:{port}" if u.hostname else None
-
-
-def deployment_servers(job) -> set[str]:
-    """host:port of every server of the job's own deployment: its endpoint's base URLs and, for a NeMo Gym
-    deployment, each server its head server lists (resolved now; the head unreachable: the endpoint's only)."""
-    endpoint = job.endpoint
-    found = {hp for u in endpoint.all_base_urls if (hp := _hostport(u))}
-    if endpoint.is_nemo_gym:
-        from workers.nemo_gym.deployment import DeploymentError, resolve_sync
-
-        try:
-            dep = resolve_sync(endpoint.base_url, timeout_s=5.0)
-            found |= {hp for srv in dep.servers.values() if (hp := _hostport(srv.url))}
-        except (DeploymentError, ValueError):
-            pass
-    return found
-
-
-def _allow_listed(url: str) -> bool:
-    """Named by an entry of ENDPOINT_ALLOWED_HOSTS other than "*" (the operator's own list of servers)."""
-    from workers import outbound
-
-    entries = [e for e in settings.ENDPOINT_ALLOWED_HOSTS if e.strip() and e.strip() != "*"]
-    if not entries:
-        return False
-    return outbound.url_problem(url, outbound.OutboundPolicy(allow=tuple(entries))) is None
-
-
-def stats_url_problem(url: str, allowed: set[str]) -> str | None:
-    """Why a stats URL may not be pulled for this job, or None: it must be a /stats of a server of the job's own
-    deployment (`allowed`, deployment_servers) or of a host the operator's allow-list names."""
-    from urllib.parse import urlsplit
-
-    try:
-        u = urlsplit(url)
-    except ValueError:
-        return "not a valid URL"
-    if u.path.rstrip("/") != "/stats" or u.query or u.fragment:
-        return "must be a NeMo Gym server's /stats (http://host:port/stats)"
-    if _hostport(url) not in allowed and not _allow_listed(url):
-        return ("not a server of this job's deployment (its endpoint and, for NeMo Gym, the servers its head server "
-                "lists) nor named in ENDPOINT_ALLOWED_HOSTS")
-    return None
+from .scope import _hostport, deployment_servers, stats_url_problem  # noqa: E402,F401  (callers import them here)
 
 
 # ----------------------------------------------------------------------------------- on / off
@@ -140,6 +88,11 @@ def start(job, *, seconds=None, scope="verify", clock="wall", budget_pct=2.0, wi
             job=job, requested_by=user if getattr(user, "is_authenticated", False) else None, scope=scope,
             clock=clock, budget_pct=float(budget_pct), window_s=float(window_s), seconds=seconds, stats_urls=urls,
             started_at=now, until=now + timedelta(seconds=seconds) if seconds else None)
+
+
+def profiles_servers(job) -> bool:
+    """The job asked for its NeMo Gym servers' own profiles (profile_servers: a NeMo Gym endpoint only)."""
+    return bool((job.collection_options or {}).get("profile_servers")) and job.endpoint.is_nemo_gym
 
 
 def start_with_job(job) -> ProfileSession | None:
@@ -199,19 +152,35 @@ def profile_run(job, sink, control, *, db, worker_name=""):
             db.call(record, job_id, snaps)
 
         pullers = {}
+        # the job's profile_servers: its NeMo Gym deployment's own servers, discovered from the head server
+        head = job.endpoint.base_url if profiles_servers(job) else None
 
-        def pull_stats():
+        def puller():
             s = state["session"]
-            if s is None or not s.stats_urls:
-                return []
+            if s is None or not (s.stats_urls or head):
+                return None
             p = pullers.get(s.pk)
             if p is None:
                 pullers.clear()
                 allowed = deployment_servers(job)
-                p = pullers[s.pk] = StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s,
-                                                log_dir=settings.PROFILING_STATS_LOG_DIR,
-                                                url_check=lambda url: stats_url_problem(url, allowed))
-            return p.poll()
+                check = lambda url: stats_url_problem(url, allowed)  # noqa: E731
+                p = pullers[s.pk] = (StatsPuller(s.stats_urls, session=s.key, window_s=s.window_s,
+                                                 log_dir=settings.PROFILING_STATS_LOG_DIR, url_check=check)
+                                     if s.stats_urls else ServerPuller(head, s.key, window_s=s.window_s, url_check=check))
+            return p
+
+        def pull_stats():
+            p = puller()
+            return p.poll() if p is not None else []
+
+        def last_pull():  # the run ends: a profile_servers puller pulls once more, whatever the window
+            p = puller()
+            return p.final() if isinstance(p, ServerPuller) else []
+
+        pull_stats.final = last_pull
+        if head is not None and (first := active_session(job_id)) is not None and not first.stats_urls:
+            state["session"] = first
+            puller().poll(force=True)  # each server's baseline before this run sends anything
 
         pctl = ProfilingControl(control, source, emit, worker=worker_name or host, extra_sources=[pull_stats],
                                 pool=lambda: SHARED_VERIFY_POOL._executor)  # the running executor, never a new one

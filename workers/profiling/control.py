@@ -55,6 +55,9 @@ class ProfilingControl:
     def _finish(self) -> None:
         try:
             snaps = self.profiler.finish()
+            for extra in self.extra_sources:  # a source with a last pull as the run ends (nemo_gym.ServerPuller)
+                if callable(last := getattr(extra, "final", None)):
+                    snaps = [*(snaps or []), *(last() or [])]
             if snaps:
                 self.emit(snaps)
         except Exception:  # noqa: BLE001

@@ -314,3 +314,57 @@ def profile_change(before: list[FuncRow] | None, after: list[FuncRow]) -> list[F
     prev: dict = {}
     merge_rows(prev, before)
     return [r for r in _delta(cur, prev) if r.ncall > 0]
+
+
+class ServerPuller:
+    """A job's `profile_servers`: every server of the NeMo Gym deployment whose head server is `head` (discovered
+    from its config once, as collect_rollouts' +profiling_enabled does), pulled every `window_s` through
+    pull_server_profile (the outbound gate; `url_check(url)`: the control plane's check that it is the job's own
+    server). Each pull after the first is what the server did since the one before, as a snapshot of worker
+    "nemo-gym:<name>" (server_of), so the job page shows it as the drop-in's `<server>.log`."""
+
+    def __init__(self, head: str, session: str, window_s: float = 5.0, url_check=None, timeout_s: float = 10.0):
+        self.head, self.session, self.window_s = head, session, window_s
+        self.url_check, self.timeout_s = url_check, timeout_s
+        self.dep = None
+        self.prev: dict[str, list] = {}
+        self.last_t: dict[str, float] = {}
+        self.last = 0.0
+        self.said: set[str] = set()
+
+    def poll(self, force: bool = False) -> list[ProfileSnapshot]:
+        now = time.time()
+        if not force and now - self.last < self.window_s:
+            return []
+        self.last = now
+        if self.dep is None:
+            from workers.nemo_gym.deployment import DeploymentError, resolve_sync
+
+            try:
+                self.dep = resolve_sync(self.head, timeout_s=self.timeout_s)
+            except (DeploymentError, ValueError) as exc:
+                log.warning("profiling: the NeMo Gym deployment at %s was not read: %s", self.head, exc)
+                return []
+        out = []
+        for srv in sorted(self.dep.servers.values(), key=lambda s: s.name):
+            rows, why = pull_server_profile(srv, self.dep.profiling, url_check=self.url_check, timeout_s=self.timeout_s)
+            if rows is None:
+                if srv.name not in self.said:  # once per server, not every window
+                    self.said.add(srv.name)
+                    log.warning("profiling: NeMo Gym server %s: no profile (%s)", srv.name, why)
+                continue
+            before = self.prev.get(srv.name)
+            self.prev[srv.name] = rows
+            start = self.last_t.get(srv.name, now)
+            self.last_t[srv.name] = now
+            if before is None:  # the baseline: its profile is cumulative since ng_run started it
+                continue
+            if change := profile_change(before, rows):
+                out.append(ProfileSnapshot(session=self.session, scope="verify", clock="cpu",
+                                           worker=f"nemo-gym:{srv.name}", window_start=start, window_end=now,
+                                           rows=change, source="nemo-gym"))
+        return out
+
+    def final(self) -> list[ProfileSnapshot]:
+        """The last pull as the run ends (whatever the window)."""
+        return self.poll(force=True)
