@@ -90,7 +90,9 @@ def test_terminal_failures_are_not_retried_and_no_persist_ones_are_written_nowhe
         assert keys(fails) == [(2, 0), (2, 1)], "a _ng_no_persist failure goes to no file"
         assert keys(out) == [(t, k) for t in (0, 1, 4) for k in range(2)]
         assert all(r["_ng_failure_terminal"] is True for r in map(json.loads, fails.read_text().splitlines()))
-        capsys.readouterr()
+        assert (
+            "Not in the failures file: 4 failed rollout(s) the agent marked _ng_no_persist" in capsys.readouterr().out
+        )
 
         ng.marks = {2: {}}  # task 2 would succeed now, but its failure was terminal; 3 and 5 succeed now
         runs = ng.calls["run"]

@@ -485,4 +485,8 @@ class Command(BaseCommand):
             by_class = dict(Rollout.objects.filter(job=job, status=Rollout.Status.FAILED).values_list("failure_class")
                             .annotate(n=Count("id")).order_by())
             lines.insert(1, "Failures by class: " + ", ".join(f"{k or 'unknown'}={v}" for k, v in sorted(by_class.items())))
+            if unwritten := Rollout.objects.filter(job=job, status=Rollout.Status.FAILED,
+                                                   data___ng_no_persist=True).count():
+                lines.append(f"Not in the failures file: {unwritten} failed rollout(s) the agent marked _ng_no_persist "
+                             "(as NeMo Gym, written nowhere; +resume_from_cache=true collects them again)")
         self.stdout.write("\n".join(lines))
