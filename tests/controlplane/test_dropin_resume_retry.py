@@ -98,7 +98,11 @@ def test_terminal_failures_are_not_retried_and_no_persist_ones_are_written_nowhe
         runs = ng.calls["run"]
         run_cli(ng, tmp_path, out, *RFC)
         printed = capsys.readouterr()
-    assert ng.calls["run"] - runs == 4, "the four _ng_no_persist rollouts, not the terminal ones"
+        sent = ng.calls["run"]
+        run_cli(ng, tmp_path, out, *RFC, "+resume=false")  # a fresh job reads the same files (import_cache)
+        assert ng.calls["run"] == sent, "a fresh job does not retry a terminal failure either"
+        assert CollectionJob.objects.order_by("-pk").first().failed_count == 2
+    assert sent - runs == 4, "the four _ng_no_persist rollouts, not the terminal ones"
     assert "retries 4 failed rollout(s)" in printed.err and "2 marked _ng_failure_terminal" in printed.err
     assert "Retried: 4 failed rollout(s): 4 ok now, 0 failed again" in printed.out, printed.out
     assert keys(out) == sorted(set(ALL) - {(2, 0), (2, 1)}) and keys(fails) == [(2, 0), (2, 1)]
