@@ -25,6 +25,7 @@ from workers.profiling.core import FuncRow, ProfileConfig, merge_rows
 from workers.profiling.nemo_gym import ServerPuller, StatsPuller, log_path_problem
 
 from .models import ProfileRow, ProfileSession, ProfileSnapshot
+from .scope import deployment_servers, stats_url_problem  # callers (dropin, tests) import them from here too
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,6 @@ class ProfilingError(ValueError):
 
 class ProfilingForbidden(ProfilingError):
     """A user asked for what only staff may (whole-worker profiling)."""
-
-
-from .scope import _hostport, deployment_servers, stats_url_problem  # noqa: E402,F401  (callers import them here)
 
 
 # ----------------------------------------------------------------------------------- on / off
