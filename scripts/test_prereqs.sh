@@ -7,6 +7,8 @@ cd "$ROOT"
 apt_install chromium chromium-driver fonts-dejavu-core
 # Debian's bubblewrap: the sandbox the code-execution verifier runs programs in.
 apt_install bubblewrap
+# graphviz's dot: ng_run's profiler (nemo_gym.profiling) renders with it, for the +profiling_enabled test.
+apt_install graphviz
 # Front-end packages (chart library) from npm.
 [ -f scripts/frontend.sh ] && bash scripts/frontend.sh
 # Real vLLM on CPU with a tiny locally built model, for the `vllm` tests.
