@@ -217,10 +217,14 @@ def ack(job, name: str, token: str) -> dict:
         if not c.pending_token or token != c.pending_token:
             raise StreamConflict("not the consumer's pending batch (taken again since, or never handed out)")
         n = len(c.pending_ids)
+        from .openended import after_ack, record_ack
+
         c.cursor, c.delivered, c.acked_token = c.pending_cursor, c.delivered + n, token
         c.pending_token, c.pending_ids, c.pending_cursor = "", [], 0
+        c.ack_log = record_ack(c, n)
         c.save(update_fields=["cursor", "delivered", "acked_token", "pending_token", "pending_ids", "pending_cursor",
-                              "updated_at"])
+                              "ack_log", "updated_at"])
+    after_ack(job)  # an open-ended job: room in its buffer now, perhaps
     return {"cursor": c.cursor, "acked": n, "delivered": c.delivered}
 
 
