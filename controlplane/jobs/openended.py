@@ -176,6 +176,32 @@ def top_up(job, launch: bool = True) -> list[int]:
     return ids
 
 
+def chunks_of(job, pairs) -> set[int]:
+    """The ids of the chunks that collect these (task_index, rollout_index) pairs: the pass of the repeat index,
+    the position of the row (task, occurrence) in that pass's order (bounded staleness's recollect reopens them)."""
+    oe, R = job.open_ended, job.num_repeats
+    wanted = {(t, (r % oe["stride"]) // R, r // oe["stride"]) for t, r in pairs}
+    rows = {}
+    for index, t, occurrence in job.dataset.rows.filter(task_index__in={t for t, _, _ in wanted}).values_list(
+        "index", "task_index", "occurrence"
+    ):
+        rows[(t, occurrence)] = index
+    out = set()
+    for t, occurrence, p in wanted:
+        index = rows.get((t, occurrence))
+        if index is None:
+            continue
+        position = index
+        if oe.get("shuffle"):
+            position = _order(n_rows(job), oe["seed"], p).index(index)
+        out.update(
+            JobChunk.objects.filter(
+                job_id=job.pk, pass_index=p, start_row__lte=position, end_row__gt=position
+            ).values_list("pk", flat=True)
+        )
+    return out
+
+
 def stop(job) -> CollectionJob:
     """Stop an open-ended job gracefully: no more chunks; those in flight finish; it completes with the last."""
     from . import services
@@ -228,7 +254,8 @@ def figures(job, now: float | None = None) -> dict | None:
     now = time.time() if now is None else now
     c = StreamConsumer.objects.filter(job_id=job.pk, name=oe["consumer"]).first()
     cursor = c.cursor if c else 0
-    stored = Rollout.objects.filter(job_id=job.pk).count()
+    ok, failed = CollectionJob.objects.filter(pk=job.pk).values_list("completed_count", "failed_count").first()
+    stored = ok + failed  # the job's counters, bumped in the transaction that stores the rows
     ahead = Rollout.objects.filter(job_id=job.pk, pk__gt=cursor).count()
     window = RATE_WINDOW_S
     recent = 0

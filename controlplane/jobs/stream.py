@@ -86,11 +86,17 @@ def settle_stale(job, ids: list[int]) -> int:
     with transaction.atomic():
         fresh = CollectionJob.objects.select_for_update().get(pk=job.pk)
         rows = Rollout.objects.filter(pk__in=ids)
-        tasks = set(rows.values_list("task_index", flat=True))
+        pairs = set(rows.values_list("task_index", "rollout_index"))
+        tasks = {t for t, _ in pairs}
         n, _ = rows.delete()
         services.refresh_counts(fresh)
-        chunks = [c for c in JobChunk.objects.filter(job=fresh).values_list("pk", "start_row", "end_row")
-                  if any(c[1] <= t < c[2] for t in tasks)]
+        if fresh.open_ended:  # the chunk of the pair's pass and position (controlplane.jobs.openended)
+            from .openended import chunks_of
+
+            chunks = [(pk,) for pk in chunks_of(fresh, pairs)]
+        else:
+            chunks = [c for c in JobChunk.objects.filter(job=fresh).values_list("pk", "start_row", "end_row")
+                      if any(c[1] <= t < c[2] for t in tasks)]
         JobChunk.objects.filter(pk__in=[c[0] for c in chunks]).update(
             state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None, finished_at=None)
         if fresh.state in JobState.TERMINAL:

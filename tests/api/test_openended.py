@@ -282,3 +282,52 @@ def test_the_watchdog_leaves_a_job_waiting_for_its_consumer_running(alice, sim):
     StreamConsumer.objects.create(job=job, name="trainer", cursor=Rollout.objects.filter(job=job).order_by("-pk")[0].pk)
     watchdog(dispatch=False, broker_lost=False)
     assert _work(job) > 0 and Rollout.objects.filter(job=job).count() == 8
+
+
+def test_recollect_past_the_lag_bound_reopens_the_right_pass_and_position(alice, sim):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlplane.endpoints.models import WeightVersion
+
+    api = _client(alice)
+    dataset = ingest_dataset(alice, n=6)
+    endpoint = make_endpoint(alice, sim.url, model=sim.model, name="sim-oe-recollect")
+    job = _create(
+        api,
+        dataset,
+        endpoint,
+        chunk_size=2,
+        max_version_lag=0,
+        stale_policy="recollect",
+        open_ended={"buffer": 12, "shuffle": True, "seed": 11},
+    )
+    _work(job)
+    before = set(Rollout.objects.filter(job=job).values_list("task_index", "rollout_index"))
+    assert len(before) == 12  # two shuffled passes
+    # a weight update; two rollouts (one per pass, each in a chunk other than the one at its task's own row
+    # position) are left one version behind, past max_version_lag 0
+    now = timezone.now()
+    WeightVersion.objects.create(
+        endpoint=endpoint,
+        version="1",
+        previous_version="0",
+        trace_id="t1",
+        started_at=now - timedelta(seconds=2),
+        applied_at=now - timedelta(seconds=1),
+    )
+    behind = [next((t, p) for t in range(6) if _order(6, 11, p).index(t) // 2 != t // 2) for p in (0, 1)]
+    Rollout.objects.filter(job=job).update(weight_version="1")
+    for t, p in behind:
+        Rollout.objects.filter(job=job, task_index=t, rollout_index=p).update(weight_version="0")
+    b = _take(api, job, max=20)
+    assert b["count"] == 10 and b["skipped_stale"] == 2  # the two deleted, their chunks reopened
+    reopened = {(c.pass_index, c.start_row) for c in JobChunk.objects.filter(job=job, state="pending")}
+    assert reopened == {(p, _order(6, 11, p).index(t) // 2 * 2) for t, p in behind}
+    _work(job)
+    after = set(Rollout.objects.filter(job=job).values_list("task_index", "rollout_index"))
+    assert after == before and _unique(job)  # collected again, in their own pass and position
+    assert set(Rollout.objects.filter(job=job, weight_version="0").values_list("task_index", "rollout_index")) <= set(
+        behind
+    )
