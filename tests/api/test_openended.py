@@ -147,6 +147,8 @@ def test_keeps_collecting_bounded_by_the_consumer_then_stops_with_every_rollout_
     assert 'id="open-ended"' in html
     assert f'<td id="oe-unconsumed">{oe["unconsumed"]}</td>' in html
     assert f'<td id="oe-consumed">{oe["consumed"]}</td>' in html
+    assert f"({oe['acked_recent']})</td>" in html  # the rate's acknowledged rollouts (its window moves on)
+    assert 'id="action-stop"' in html
 
     # (4) stop: the chunks in flight finish, none is added (not even when the consumer acknowledges), it completes
     b = _take(api, job, max=3)
@@ -282,6 +284,13 @@ def test_the_watchdog_leaves_a_job_waiting_for_its_consumer_running(alice, sim):
     StreamConsumer.objects.create(job=job, name="trainer", cursor=Rollout.objects.filter(job=job).order_by("-pk")[0].pk)
     watchdog(dispatch=False, broker_lost=False)
     assert _work(job) > 0 and Rollout.objects.filter(job=job).count() == 8
+    # the page's Stop button: nothing in flight (the buffer is full), so it completes at once
+    page = Client()
+    page.force_login(alice)
+    assert page.post(reverse("dashboard:job_action", args=[job.pk, "stop"])).status_code == 302
+    job.refresh_from_db()
+    assert job.state == "completed" and job.open_ended["stopping"]
+    assert 'id="action-stop"' not in page.get(reverse("dashboard:job", args=[job.pk])).content.decode()
 
 
 def test_recollect_past_the_lag_bound_reopens_the_right_pass_and_position(alice, sim):
