@@ -237,8 +237,9 @@ def record_ack(consumer: StreamConsumer, n: int, now: float | None = None) -> li
 
 
 def after_ack(job) -> None:
-    """A consumer acknowledged a batch: room in the buffer, perhaps."""
-    if job.open_ended and job.state in JobState.RUNNABLE:
+    """A consumer's cursor moved (a batch acknowledged, failed or left-out rows passed): room in the buffer,
+    perhaps (top_up checks the job's state under its lock)."""
+    if job.open_ended:
         top_up(job)
 
 

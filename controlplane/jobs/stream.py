@@ -117,16 +117,17 @@ def consumer_for(job, name: str, *, groups: bool, skip_equal: bool) -> StreamCon
 
 
 def _scan(job, cursor: int, limit: int) -> tuple[list[dict], int]:
-    """Ok rows after the cursor, by id, up to `limit`; and the id up to which they may be examined (for
-    deferred or fast verification: not past the first row still without a reward)."""
-    rows = list(Rollout.objects.filter(job=job, status=Rollout.Status.OK, pk__gt=cursor)
-                .order_by("pk").values(*_FIELDS)[:limit])
+    """Ok rows after the cursor, by id, among the next `limit` rows; and the id up to which they were examined
+    (failed rows, never handed out, are passed too: an open-ended job's buffer is not held by them; for deferred
+    or fast verification: not past the first ok row still without a reward)."""
+    rows = list(Rollout.objects.filter(job=job, pk__gt=cursor).order_by("pk").values(*_FIELDS, "status")[:limit])
     if job.verify_mode != CollectionJob.VerifyMode.INLINE:
         for i, r in enumerate(rows):
-            if r["reward"] is None:
+            if r["status"] == Rollout.Status.OK and r["reward"] is None:
                 rows = rows[:i]
-                return rows, (rows[-1]["id"] if rows else cursor)
-    return rows, (rows[-1]["id"] if rows else cursor)
+                break
+    high = rows[-1]["id"] if rows else cursor
+    return [r for r in rows if r["status"] == Rollout.Status.OK], high
 
 
 def _plan_rows(job, cursor, max_n, current):
@@ -178,6 +179,7 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
     deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
     skipped_stale = skipped_equal = 0
     while True:
+        passed = False
         with transaction.atomic():
             c = consumer_for(job, name, groups=groups, skip_equal=skip_equal)
             c = StreamConsumer.objects.select_for_update().get(pk=c.pk)
@@ -195,15 +197,19 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
                 c.pending_token = secrets.token_hex(12)
                 c.pending_ids, c.pending_cursor = ids, high
                 c.save(update_fields=["pending_token", "pending_ids", "pending_cursor", "updated_at"])
-            elif high > c.cursor:  # only left-out rows were read: pass them for good
+            elif passed := high > c.cursor:  # only left-out (or failed) rows were read: pass them for good
                 c.cursor = high
                 c.save(update_fields=["cursor", "updated_at"])
         if stale:
             skipped_stale += settle_stale(job, stale)
+        if not ids and passed:  # room in an open-ended job's buffer, perhaps
+            from .openended import after_ack
+
+            after_ack(job)
         if ids:
             return {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
                     "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current}
-        if high > c.cursor or stale:
+        if passed or stale:
             continue  # read further at once
         if time.monotonic() >= deadline:
             return {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [], "skipped_stale": skipped_stale,

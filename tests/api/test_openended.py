@@ -340,3 +340,20 @@ def test_recollect_past_the_lag_bound_reopens_the_right_pass_and_position(alice,
     assert set(Rollout.objects.filter(job=job, weight_version="0").values_list("task_index", "rollout_index")) <= set(
         behind
     )
+
+
+def test_failed_rollouts_do_not_hold_the_buffer_for_good(alice, simulator_factory):
+    sim = simulator_factory(seed=6, ttft_ms=1, itl_ms=0, jitter=0, fault_rates={"500": 1.0})
+    api = _client(alice)
+    dataset = ingest_dataset(alice, n=6)
+    endpoint = make_endpoint(alice, sim.url, model=sim.model, name="sim-oe-failing", max_retries=0)
+    job = _create(api, dataset, endpoint, chunk_size=2, open_ended={"buffer": 4})
+    _work(job)
+    assert Rollout.objects.filter(job=job, status="failed").count() == 4 == Rollout.objects.filter(job=job).count()
+    assert _work(job) == 0  # the buffer is full of failures
+    sim.configure(fault_rates={})  # the server recovers
+    b = _take(api, job, max=3)  # nothing to hand out, but the consumer's cursor passes the failures ...
+    assert b["count"] == 0 and _ahead(job) == 0
+    assert _work(job) > 0  # ... and collection goes on
+    b = _take(api, job, max=10)
+    assert b["count"] == 4 and {r["status"] for r in b["rollouts"]} == {"ok"}
