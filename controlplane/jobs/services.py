@@ -193,6 +193,7 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
         )
         if open_ended:  # the first chunks, as many as the buffer takes (then as the consumer acknowledges)
             openended.top_up(job, launch=launch)
+            job.refresh_from_db(fields=["total_rollouts"])
             return job
         JobChunk.objects.bulk_create(
             [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))

@@ -35,7 +35,10 @@ def _create(api, dataset, endpoint, **kw):
     }
     r = api.post("/api/jobs/", body, format="json")
     assert r.status_code == 201, r.content
-    return CollectionJob.objects.get(pk=r.json()["id"])
+    job = CollectionJob.objects.get(pk=r.json()["id"])
+    rows = sum(c.end_row - c.start_row for c in JobChunk.objects.filter(job=job))
+    assert r.json()["progress"]["total"] == rows * job.num_repeats == job.total_rollouts  # the chunks made so far
+    return job
 
 
 def _work(job, max_runs=200):
@@ -98,8 +101,10 @@ def test_keeps_collecting_bounded_by_the_consumer_then_stops_with_every_rollout_
     endpoint = make_endpoint(alice, sim.url, model=sim.model, name="sim-oe")
     # R = 2, buffer 7: chunks of min(chunk_size 2, 7 // 2) = 2 rows -> C = 4 rollouts; bound 7 + 4 - 1 = 10
     job = _create(api, dataset, endpoint, num_repeats=2, chunk_size=2, open_ended={"buffer": 7, "consumer": "trainer"})
-    oe = _detail(api, job)["open_ended"]
+    detail = _detail(api, job)
+    oe = detail["open_ended"]
     assert (oe["buffer"], oe["chunk_rollouts"], oe["bound"], oe["stored"], oe["pass_index"]) == (7, 4, 10, 0, 0)
+    assert detail["progress"]["total"] == 8  # the rollouts of the chunks made so far (two of 4)
 
     # (2) a consumer that does not acknowledge: collection stops growing at the buffer (within the bound)
     _work(job)
