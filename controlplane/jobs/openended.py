@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import random
+from array import array
 import time
 
 from django.core.exceptions import ValidationError
@@ -97,10 +98,11 @@ def pass_offset(job, pass_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def _order(n_rows: int, seed: int, pass_index: int) -> tuple[int, ...]:
+def _order(n_rows: int, seed: int, pass_index: int) -> array:
+    """A shuffled pass's row order (4 bytes a row: 4 MB kept for a 1M-row dataset, one per cached pass)."""
     order = list(range(n_rows))
     random.Random(f"{seed}:{pass_index}").shuffle(order)
-    return tuple(order)
+    return array("I", order)
 
 
 def pass_rows(job, pass_index: int, start: int, stop: int) -> list[int] | None:
