@@ -253,6 +253,43 @@ class VisiblePrimaryKeyField(serializers.PrimaryKeyRelatedField):
         return super().to_internal_value(data)
 
 
+class OpenEndedSerializer(StrictJSONTypes, serializers.Serializer):
+    buffer = serializers.IntegerField(min_value=1, max_value=2**31 - 1,
+                                      help_text="At most this many rollouts stored ahead of what the consumer "
+                                                "acknowledged (plus one chunk in flight: never more than buffer + "
+                                                "chunk rows x num_repeats - 1)")
+    shuffle = serializers.BooleanField(default=False, help_text="Each pass in its own shuffled row order")
+    seed = serializers.IntegerField(min_value=0, max_value=2**31 - 1, default=0,
+                                    help_text="The shuffles' seed (pass p's order: seed and p)")
+    consumer = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", max_length=100, default="trainer",
+                                      help_text="The trainer's stream consumer name whose acknowledgements free the "
+                                                "buffer")
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict) and (unknown := set(data) - set(self.fields)):
+            raise serializers.ValidationError(f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
+        return super().to_internal_value(data)
+
+
+class OpenEndedFiguresSerializer(serializers.Serializer):
+    consumer = serializers.CharField(help_text="The stream consumer the buffer is measured against")
+    buffer = serializers.IntegerField(help_text="Rollouts allowed ahead of the consumer's acknowledgements")
+    chunk_rollouts = serializers.IntegerField(help_text="Rollouts per chunk (rows per chunk x num_repeats)")
+    bound = serializers.IntegerField(help_text="The most ever stored ahead of the consumer: buffer + chunk_rollouts - 1")
+    stored = serializers.IntegerField(help_text="Rollouts stored (ok and failed)")
+    unconsumed = serializers.IntegerField(help_text="The buffer's fill: stored rollouts past the consumer's cursor")
+    fill = serializers.FloatField(help_text="unconsumed / buffer")
+    consumed = serializers.IntegerField(help_text="Stored rollouts up to the consumer's cursor")
+    acked = serializers.IntegerField(help_text="Rollouts the consumer acknowledged (handed out to it)")
+    acked_recent = serializers.IntegerField(help_text="Rollouts acknowledged in the last window_s")
+    window_s = serializers.FloatField(help_text="The rate's window: 60 s, or the consumer's age when younger")
+    consumption_per_s = serializers.FloatField(help_text="The trainer's consumption rate: acked_recent / window_s")
+    pass_index = serializers.IntegerField(help_text="The newest chunk's pass over the dataset (0 = the first)")
+    shuffle = serializers.BooleanField()
+    seed = serializers.IntegerField()
+    stopping = serializers.BooleanField(help_text="Stopped: no new chunks; those in flight finish, then it completes")
+
+
 class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
     """Every parameter of ng_collect_rollouts, plus the verifier and distribution settings."""
 
@@ -292,6 +329,15 @@ class JobCreateSerializer(StrictJSONTypes, serializers.Serializer):
         choices=CollectionJob.StalePolicy.choices, default="mark",
         help_text="A rollout past max_version_lag is collected again with the current weights (recollect) or kept "
                   "and marked stale (mark); either way the stream never hands it out")
+
+    open_ended = OpenEndedSerializer(
+        required=False, allow_null=True, default=None,
+        help_text="Open-ended collection: passes over the dataset (fresh repeat indices each pass) until stopped "
+                  "(POST .../stop/ or .../cancel/), at most `buffer` rollouts ahead of what `consumer` acknowledged "
+                  "on the rollout stream; null = one pass")
+
+    def validate_open_ended(self, value):
+        return dict(value) if value is not None else None
 
     def validate_dataset(self, value):
         if value.status != Dataset.Status.READY:
@@ -338,8 +384,18 @@ class JobDetailSerializer(JobSerializer):
 
     class Meta(JobSerializer.Meta):
         fields = [*JobSerializer.Meta.fields, "aggregate_metrics", "timing_summary", "elapsed_s", "verify_cache",
-                  "verification", "figures"]
+                  "verification", "figures", "open_ended"]
         read_only_fields = fields
+
+    open_ended = serializers.SerializerMethodField(
+        help_text="Open-ended jobs: the buffer's fill and the trainer's consumption (controlplane.jobs.openended); "
+                  "null for a job of one pass")
+
+    @extend_schema_field(OpenEndedFiguresSerializer(allow_null=True))
+    def get_open_ended(self, job):
+        from controlplane.jobs.openended import figures
+
+        return figures(job)
 
     figures = serializers.SerializerMethodField(
         help_text="The job's figures as the dashboard shows them (controlplane.jobs.figures): rollouts_stored, ok, "

@@ -326,6 +326,13 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
     def cancel(self, request, pk=None):
         return self._transition(request, "cancel_job")
 
+    @extend_schema(summary="Stop an open-ended job: the chunks in flight finish, no more start, then it completes "
+                           "(cancel stops at once)", request=None,
+                   responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
+    @action(detail=True, methods=["post"])
+    def stop(self, request, pk=None):
+        return self._transition(request, "stop_job")
+
     @extend_schema(summary="Pause (queued or running jobs)", request=None,
                    responses={200: s.JobDetailSerializer, **errors(401, 404, 409, 429)})
     @action(detail=True, methods=["post"])

@@ -120,6 +120,7 @@ def job_state(request, job_id):
 
 
 JOB_ACTIONS = {"cancel": "cancel_job", "pause": "pause_job", "resume": "resume_job", "retry": "retry_failed",
+               "stop": "stop_job",  # an open-ended job (the open-ended panel's button)
                "verify": None}  # verify: controlplane.jobs.verification
 
 

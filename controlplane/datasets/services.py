@@ -55,6 +55,19 @@ def iter_task_rows(dataset, start: int = 0, end: int | None = None,
         yield task_index, occurrence, data
 
 
+def iter_task_rows_at(dataset, indices: list[int]) -> Iterator[tuple[int, int, dict]]:
+    """As iter_task_rows, for the rows at `indices` (any order, e.g. a shuffled pass), in that order."""
+    by_index = {index: (task_index, occurrence, data) for index, data, task_index, occurrence in
+                DatasetRow.objects.filter(dataset=dataset, index__in=list(indices))
+                .values_list("index", "data", "task_index", "occurrence")}
+    for index in indices:
+        if index in by_index:
+            task_index, occurrence, data = by_index[index]
+            if task_index is None:
+                task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
+            yield task_index, occurrence, data
+
+
 # ------------------------------------------------------------------------------------------------
 # Errors and reports
 # ------------------------------------------------------------------------------------------------

@@ -37,3 +37,8 @@ class JobsConfig(AppConfig):
 
         register_panel("dashboard/panels/task_profile.html", name="task-profile", context=profile.panel_context,
                        after="weight-versions")
+        # open-ended collection (openended.py): the buffer's fill and the trainer's consumption
+        from . import openended
+
+        register_panel("dashboard/panels/open_ended.html", name="open-ended", context=openended.panel_context,
+                       after="progress")

@@ -72,6 +72,11 @@ class CollectionJob(models.Model):
     max_version_lag = models.PositiveIntegerField(null=True, blank=True,
                                                   help_text="The largest version lag a trainer accepts (null: any)")
     stale_policy = models.CharField(max_length=10, choices=StalePolicy.choices, default=StalePolicy.MARK)
+    # open-ended collection (controlplane.jobs.openended): null for a job of one pass; else {"buffer", "shuffle",
+    # "seed", "consumer", "stride", "chunk_rows", "stopping"}: passes over the dataset until stopped, at most
+    # `buffer` rollouts (and one chunk) stored ahead of what `consumer` acknowledged
+    open_ended = models.JSONField(null=True, blank=True, default=None,
+                                  help_text="Open-ended collection: passes until stopped, bounded ahead of a consumer")
 
     # state and progress
     state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
@@ -208,6 +213,9 @@ class JobChunk(models.Model):
     index = models.PositiveIntegerField()
     start_row = models.PositiveIntegerField()  # dataset row index, inclusive
     end_row = models.PositiveIntegerField()  # exclusive
+    # open-ended jobs: the pass over the dataset (rows are positions in the pass's order; its repeat indices are
+    # offset by pass_index * the job's stride); 0 for a job of one pass
+    pass_index = models.PositiveIntegerField(default=0, db_default=0)
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     attempts = models.PositiveIntegerField(default=0)
     lease_owner = models.CharField(max_length=200, blank=True)
@@ -378,6 +386,8 @@ class StreamConsumer(models.Model):
     pending_ids = models.JSONField(default=list, blank=True)
     pending_cursor = models.BigIntegerField(default=0)
     acked_token = models.CharField(max_length=64, blank=True)
+    ack_log = models.JSONField(default=list, blank=True,
+                               help_text="[[unix s, rollouts]] of its recent acknowledgements (its consumption rate)")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

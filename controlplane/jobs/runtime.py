@@ -262,6 +262,10 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard
     now = timezone.now()
     if not CHUNK_LEASE.held(chunk_id, lease).update(state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
         return "lost_lease"
+    if job.open_ended:  # open-ended: the next chunks, as the buffer has room (openended.top_up)
+        from .openended import top_up
+
+        top_up(job, launch=redispatch)
     if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         services.finalize_job(job, launch=redispatch)
     return "done"
@@ -463,6 +467,11 @@ def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
                 services.dispatch_chunks(job, lost)
             report["redispatched"].extend(lost)
         elif not chunks.exclude(state=JobChunk.State.DONE).exists():
+            if job.open_ended and not job.open_ended.get("stopping"):  # waits for its consumer: top up if it can
+                from .openended import top_up
+
+                top_up(job, launch=dispatch)
+                continue
             if dispatch:
                 services.dispatch_finalize(job)
             else:
@@ -473,6 +482,8 @@ def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
     candidates = (CollectionJob.objects.filter(state=JobState.RUNNING).select_related("endpoint").filter(
         Q(last_progress_at__lt=stall_before) | Q(last_progress_at__isnull=True, started_at__lt=stall_before)))
     for job in list(candidates):
+        if job.open_ended and not JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE).exists():
+            continue  # open-ended, its buffer full: it waits for its consumer, it is not stalled
         idle_since = job.last_progress_at or job.started_at
         if (now - idle_since).total_seconds() < stall_after_s(job):
             continue

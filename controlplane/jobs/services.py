@@ -37,7 +37,7 @@ FINALIZE_JOB_TASK = "controlplane.jobs.tasks.finalize_job_task"
 
 __all__ = [
     "create_job", "get_or_create_job", "cancel_job", "pause_job", "resume_job", "retry_failed",
-    "refresh_counts", "finalize_job", "fail_job", "dispatch_chunks", "InvalidTransition",
+    "refresh_counts", "finalize_job", "fail_job", "dispatch_chunks", "InvalidTransition", "stop_job",
 ]
 
 
@@ -153,11 +153,14 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
                 parallelism_auto=False, responses_create_params=None, verifier="math", verifier_options=None,
                 verify_mode="inline", chunk_size=5000, name="", idempotency_key=None, profiling_enabled=False,
                 output_path="", launch=True, verify_cache="job", operator=False, max_version_lag=None,
-                stale_policy=CollectionJob.StalePolicy.MARK, mlflow_tracking_uri="", profile_servers=False):
+                stale_policy=CollectionJob.StalePolicy.MARK, mlflow_tracking_uri="", profile_servers=False,
+                open_ended=None):
     """`operator`: the caller is the operator (manage.py commands): dotted-path verifiers are allowed.
     `profile_servers`: a NeMo Gym endpoint's own servers (discovered from its head server) are profiled while the
     job runs, as collect_rollouts' +profiling_enabled does (controlplane.profiling.services.profile_run).
-    `max_version_lag` / `stale_policy`: bounded staleness for the rollout stream (controlplane.jobs.stream)."""
+    `max_version_lag` / `stale_policy`: bounded staleness for the rollout stream (controlplane.jobs.stream).
+    `open_ended`: {buffer, shuffle, seed, consumer} for open-ended collection (controlplane.jobs.openended):
+    chunks are then made pass after pass as the buffer has room, not all now."""
     if max_version_lag is not None and (not isinstance(max_version_lag, int) or isinstance(max_version_lag, bool)
                                         or not 0 <= max_version_lag <= 2**31 - 1):
         raise ValidationError({"max_version_lag": f"max_version_lag must be an integer >= 0 or null, not {max_version_lag!r}"})
@@ -179,6 +182,10 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
         options["profile_servers"] = True
         profiling_enabled = True  # the job's profiling session holds the servers' windows
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
+    from . import openended
+
+    open_ended = openended.options_for(open_ended, dataset=dataset, limit=limit, num_repeats=num_repeats,
+                                       chunk_size=chunk_size)
     with transaction.atomic():
         limits.lock_owner(owner)  # the quota is checked and taken under the lock: concurrent requests wait
         if quota := limits.quota_errors(owner, num_samples_in_parallel):
@@ -189,10 +196,14 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
             responses_create_params=responses_create_params, verifier=verifier,
             verifier_options=verifier_options, verify_mode=verify_mode, chunk_size=chunk_size,
             idempotency_key=idempotency_key or None, profiling_enabled=profiling_enabled,
-            output_path=output_path, total_rollouts=n_rows * num_repeats, verify_cache=verify_cache,
-            max_version_lag=max_version_lag, stale_policy=stale_policy,
-            collection_options=options,
+            output_path=output_path, total_rollouts=0 if open_ended else n_rows * num_repeats,
+            verify_cache=verify_cache, max_version_lag=max_version_lag, stale_policy=stale_policy,
+            collection_options=options, open_ended=open_ended,
         )
+        if open_ended:  # the first chunks, as many as the buffer takes (then as the consumer acknowledges)
+            openended.top_up(job, launch=launch)
+            job.refresh_from_db(fields=["total_rollouts"])
+            return job
         JobChunk.objects.bulk_create(
             [JobChunk(job=job, index=i, start_row=start, end_row=min(start + chunk_size, n_rows))
              for i, start in enumerate(range(0, n_rows, chunk_size))],
@@ -288,6 +299,14 @@ def cancel_job(job):
     return _transition(job, "cancel")
 
 
+def stop_job(job):
+    """Stop an open-ended job: the chunks in flight finish, no more are made, and it completes with the last
+    (controlplane.jobs.openended.stop). InvalidTransition for another job (cancel it) or one not running."""
+    from . import openended
+
+    return openended.stop(job)
+
+
 def pause_job(job):
     """Pause; running workers stop taking new rows within ~1 s, and their chunks go back to pending."""
     return _transition(job, "pause")
@@ -377,7 +396,15 @@ def finalize_job(job, launch=True):
     """When every chunk is done: store aggregate metrics and the timing summary, then complete; a `fast` job
     gets its exact pass (a batch verification run) in the same transaction, sent to a worker when `launch`
     (the CLI's inline runner runs it itself). Idempotent and safe to call from several workers at once.
-    Returns the job (refreshed)."""
+    Returns the job (refreshed). An open-ended job that is not stopping runs on: its next chunks are added
+    instead, as its buffer has room (openended.top_up)."""
+    from . import openended
+
+    job.refresh_from_db(fields=["open_ended"])
+    if openended.is_waiting(job):
+        openended.top_up(job, launch=launch)
+        job.refresh_from_db()
+        return job
     if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         job.refresh_from_db()
         if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
@@ -388,7 +415,8 @@ def finalize_job(job, launch=True):
     aggregate_metrics = with_agent_aggregates(job, aggregate_metrics)
     with transaction.atomic():
         fresh = _locked(job)
-        if fresh.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
+        if (fresh.state not in JobState.RUNNABLE or openended.is_waiting(fresh)
+                or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists()):
             return _sync(job, fresh)
         refresh_counts(fresh)
         fresh.aggregate_metrics = aggregate_metrics

@@ -585,6 +585,11 @@ class ChunkTasks:
         if job.limit:
             end = min(end, job.limit)
         self.start, self.end = chunk.start_row, end
+        # open-ended jobs: the pass's repeat indices and row order (controlplane.jobs.openended)
+        from .openended import pass_offset
+
+        self.job, self.pass_index = job, chunk.pass_index
+        self.offset = pass_offset(job, chunk.pass_index)
         self.db = db
         self.page_rows = page_rows
         self.emitted = 0
@@ -598,10 +603,14 @@ class ChunkTasks:
         return set().union(*self.tasks_by_occurrence.values()) if self.tasks_by_occurrence else set()
 
     def _page(self, start):
-        from controlplane.datasets.services import iter_task_rows
+        from controlplane.datasets.services import iter_task_rows, iter_task_rows_at
+
+        from .openended import pass_rows
 
         stop = min(start + self.page_rows, self.end)
-        rows = list(iter_task_rows(self.dataset, start, stop))
+        shuffled = pass_rows(self.job, self.pass_index, start, stop)
+        rows = list(iter_task_rows(self.dataset, start, stop) if shuffled is None
+                    else iter_task_rows_at(self.dataset, shuffled))
         task_ids = set()
         for task_index, _occurrence, _row in rows:
             try:
@@ -615,6 +624,9 @@ class ChunkTasks:
             # read every stored row of the job per page (30k rows: 11.7 ms a page, growing with the job)
             lo, hi = min(task_ids), max(task_ids)
             pairs = Rollout.objects.filter(job_id=self.job_id, task_index__gte=lo, task_index__lte=hi)
+            if self.offset or self.job.open_ended:  # this pass's repeats only
+                pairs = pairs.filter(rollout_index__gte=self.offset,
+                                     rollout_index__lt=self.offset + self.job.open_ended["stride"])
             if len(task_ids) != hi - lo + 1:
                 pairs = pairs.filter(task_index__in=task_ids)
             existing = set(pairs.values_list("task_index", "rollout_index"))
@@ -625,7 +637,8 @@ class ChunkTasks:
         qs = Rollout.objects.filter(job_id=self.job_id)
         total = 0
         for (occurrence, r), ids in self.tasks_by_occurrence.items():
-            pairs = qs.filter(rollout_index__gte=occurrence * r, rollout_index__lt=(occurrence + 1) * r)
+            pairs = qs.filter(rollout_index__gte=self.offset + occurrence * r,
+                              rollout_index__lt=self.offset + (occurrence + 1) * r)
             if len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of task indices
                 total += pairs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
             else:
@@ -649,6 +662,8 @@ class ChunkTasks:
                 self.expected += r
                 self.tasks_by_occurrence.setdefault((occurrence, r), set()).add(int(task_index))
             for item in materialize_tasks(rows, self.repeats):
+                if self.offset:
+                    item.rollout_index += self.offset
                 if (item.task_index, item.rollout_index) in existing:
                     self.skipped += 1
                     continue

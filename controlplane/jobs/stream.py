@@ -86,11 +86,17 @@ def settle_stale(job, ids: list[int]) -> int:
     with transaction.atomic():
         fresh = CollectionJob.objects.select_for_update().get(pk=job.pk)
         rows = Rollout.objects.filter(pk__in=ids)
-        tasks = set(rows.values_list("task_index", flat=True))
+        pairs = set(rows.values_list("task_index", "rollout_index"))
+        tasks = {t for t, _ in pairs}
         n, _ = rows.delete()
         services.refresh_counts(fresh)
-        chunks = [c for c in JobChunk.objects.filter(job=fresh).values_list("pk", "start_row", "end_row")
-                  if any(c[1] <= t < c[2] for t in tasks)]
+        if fresh.open_ended:  # the chunk of the pair's pass and position (controlplane.jobs.openended)
+            from .openended import chunks_of
+
+            chunks = [(pk,) for pk in chunks_of(fresh, pairs)]
+        else:
+            chunks = [c for c in JobChunk.objects.filter(job=fresh).values_list("pk", "start_row", "end_row")
+                      if any(c[1] <= t < c[2] for t in tasks)]
         JobChunk.objects.filter(pk__in=[c[0] for c in chunks]).update(
             state=JobChunk.State.PENDING, lease_owner="", heartbeat_at=None, finished_at=None)
         if fresh.state in JobState.TERMINAL:
@@ -111,16 +117,17 @@ def consumer_for(job, name: str, *, groups: bool, skip_equal: bool) -> StreamCon
 
 
 def _scan(job, cursor: int, limit: int) -> tuple[list[dict], int]:
-    """Ok rows after the cursor, by id, up to `limit`; and the id up to which they may be examined (for
-    deferred or fast verification: not past the first row still without a reward)."""
-    rows = list(Rollout.objects.filter(job=job, status=Rollout.Status.OK, pk__gt=cursor)
-                .order_by("pk").values(*_FIELDS)[:limit])
+    """Ok rows after the cursor, by id, among the next `limit` rows; and the id up to which they were examined
+    (failed rows, never handed out, are passed too: an open-ended job's buffer is not held by them; for deferred
+    or fast verification: not past the first ok row still without a reward)."""
+    rows = list(Rollout.objects.filter(job=job, pk__gt=cursor).order_by("pk").values(*_FIELDS, "status")[:limit])
     if job.verify_mode != CollectionJob.VerifyMode.INLINE:
         for i, r in enumerate(rows):
-            if r["reward"] is None:
+            if r["status"] == Rollout.Status.OK and r["reward"] is None:
                 rows = rows[:i]
-                return rows, (rows[-1]["id"] if rows else cursor)
-    return rows, (rows[-1]["id"] if rows else cursor)
+                break
+    high = rows[-1]["id"] if rows else cursor
+    return [r for r in rows if r["status"] == Rollout.Status.OK], high
 
 
 def _plan_rows(job, cursor, max_n, current):
@@ -172,6 +179,7 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
     deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
     skipped_stale = skipped_equal = 0
     while True:
+        passed = False
         with transaction.atomic():
             c = consumer_for(job, name, groups=groups, skip_equal=skip_equal)
             c = StreamConsumer.objects.select_for_update().get(pk=c.pk)
@@ -189,15 +197,19 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
                 c.pending_token = secrets.token_hex(12)
                 c.pending_ids, c.pending_cursor = ids, high
                 c.save(update_fields=["pending_token", "pending_ids", "pending_cursor", "updated_at"])
-            elif high > c.cursor:  # only left-out rows were read: pass them for good
+            elif passed := high > c.cursor:  # only left-out (or failed) rows were read: pass them for good
                 c.cursor = high
                 c.save(update_fields=["cursor", "updated_at"])
         if stale:
             skipped_stale += settle_stale(job, stale)
+        if not ids and passed:  # room in an open-ended job's buffer, perhaps
+            from .openended import after_ack
+
+            after_ack(job)
         if ids:
             return {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
                     "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current}
-        if high > c.cursor or stale:
+        if passed or stale:
             continue  # read further at once
         if time.monotonic() >= deadline:
             return {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [], "skipped_stale": skipped_stale,
@@ -217,10 +229,14 @@ def ack(job, name: str, token: str) -> dict:
         if not c.pending_token or token != c.pending_token:
             raise StreamConflict("not the consumer's pending batch (taken again since, or never handed out)")
         n = len(c.pending_ids)
+        from .openended import after_ack, record_ack
+
         c.cursor, c.delivered, c.acked_token = c.pending_cursor, c.delivered + n, token
         c.pending_token, c.pending_ids, c.pending_cursor = "", [], 0
+        c.ack_log = record_ack(c, n)
         c.save(update_fields=["cursor", "delivered", "acked_token", "pending_token", "pending_ids", "pending_cursor",
-                              "updated_at"])
+                              "ack_log", "updated_at"])
+    after_ack(job)  # an open-ended job: room in its buffer now, perhaps
     return {"cursor": c.cursor, "acked": n, "delivered": c.delivered}
 
 
