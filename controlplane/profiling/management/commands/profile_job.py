@@ -6,7 +6,7 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from controlplane.profiling import services
+from controlplane.profiling import exports, services
 
 
 def print_profile(w, prof, top=25):
@@ -82,7 +82,7 @@ class Command(BaseCommand):
         else:
             print_profile(w, prof)
         rows = None
-        for key, fn, mode in (("export_pstats", services.to_pstats, "wb"), ("export_callgrind", services.to_callgrind, "w")):
+        for key, fn, mode in (("export_pstats", exports.to_pstats, "wb"), ("export_callgrind", exports.to_callgrind, "w")):
             if o[key]:
                 from controlplane.profiling.models import ProfileSnapshot
 
