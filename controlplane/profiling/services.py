@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 MAX_SECONDS = 24 * 3600
 MIN_SAMPLE = 30  # profiled verifications below which a comparison warns that its scaled figures are rough
 # frames of the product itself (the pool's batch loop, the profiler, the verifier registry): never flagged
-HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/engine/attempt.py", "workers/verifiers/base.py",
-           "concurrent/futures/", "multiprocessing/", "threading.py")
+HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/engine/feed.py", "workers/engine/attempt.py",
+           "workers/verifiers/base.py", "concurrent/futures/", "multiprocessing/", "threading.py")
 IDLE = {("select", "epoll.poll"), ("select", "poll"), ("_thread", "lock.acquire"), ("selectors", "select")}
 EXTERNAL_MODULE = re.compile(r"(^|[/\\._])(socket|ssl|subprocess|requests|urllib3?|http[/\\.]client|httpx|aiohttp)"
                              r"([/\\._]|$)")
