@@ -18,6 +18,7 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.datasets.services import iter_task_rows
 from controlplane.jobs.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE_TYPE, endpoint_group
 from controlplane.telemetry import record_rollout_batch
 from workers.engine.materialize import materialize_tasks, row_repeats
@@ -598,8 +599,6 @@ class ChunkTasks:
         return set().union(*self.tasks_by_occurrence.values()) if self.tasks_by_occurrence else set()
 
     def _page(self, start):
-        from controlplane.datasets.services import iter_task_rows
-
         stop = min(start + self.page_rows, self.end)
         rows = list(iter_task_rows(self.dataset, start, stop))
         task_ids = set()
