@@ -42,14 +42,6 @@ def percent(fraction):
 
 
 @register.filter
-def get_item(d, key):
-    try:
-        return d.get(key)
-    except AttributeError:
-        return None
-
-
-@register.filter
 def ms(seconds, digits=3):
     """Seconds as milliseconds ('—' when unknown): the unit profiles and latencies are read in."""
     try:
