@@ -42,6 +42,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench._common import table_lines  # noqa: E402
 from bench.simulator_process import start_simulator_process  # noqa: E402
 
 from workers.admin import AdminClient, new_trace_id, parse_server_timing  # noqa: E402
@@ -233,7 +234,7 @@ def fmt(v):
 def table(results: list[dict]) -> str:
     head = ("streams", "path", "ops", "fail", "queue p50", "queue p95", "queue p99", "send p50", "send p99",
             "rpc p50", "rpc p99", "wall p50", "wall p99")
-    rows = [head]
+    rows = []
     for r in results:
         for path in ("dedicated", "shared", "control"):
             s = r[path]
@@ -243,10 +244,7 @@ def table(results: list[dict]) -> str:
                          str(s["n"]), str(s["failed"]), fmt(s["queue_ms_p50"]), fmt(s["queue_ms_p95"]),
                          fmt(s["queue_ms_p99"]), fmt(s["send_ms_p50"]), fmt(s["send_ms_p99"]), fmt(s["rpc_ms_p50"]), fmt(s["rpc_ms_p99"]), fmt(s["wall_ms_p50"]),
                          fmt(s["wall_ms_p99"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
+    lines = table_lines(head, rows, left=2)
     lines.append("")
     for r in results:
         d, s = r["dedicated"]["queue_ms_p99"], r["shared"]["queue_ms_p99"]

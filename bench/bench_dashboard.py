@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import table_lines  # noqa: E402
+
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/controlplane"
 
 
@@ -47,13 +49,8 @@ def pct(values, p):
 
 
 def table(title, header, rows):
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = "  ".join("-" * w for w in widths)
     print(f"\n{title}")
-    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
-    print(line)
-    for r in rows:
-        print("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
+    print("\n".join(table_lines(header, rows)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench._common import CountingSink  # noqa: E402
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math, task_items  # noqa: E402
 from workers.engine.runner import run_collection  # noqa: E402
@@ -57,21 +58,6 @@ MODES = {"plumbing": ("verify", 0.0), "verify": ("verify", 2.0), "worker": ("wor
 
 
 # ------------------------------------------------------------------------------------ one arm
-class CountingSink:
-    def __init__(self):
-        self.done: list[float] = []  # monotonic completion time of each successful rollout
-
-    async def rollout(self, r):
-        if r.ok:
-            self.done.append(time.monotonic())
-
-    async def progress(self, t):
-        pass
-
-    async def close(self):
-        pass
-
-
 class StopAt:
     """Cancels the run once the measured window is over."""
 
@@ -100,7 +86,7 @@ async def run_arm(args) -> dict:
     try:
         spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model), parallelism=args.c,
                               verifier="math", verify_processes=args.processes, progress_interval_s=1.0)
-        await run_collection(spec, task_items(rows_math(300)), CountingSink(), None)  # warm: pool, sympy
+        await run_collection(spec, task_items(rows_math(300)), CountingSink(times=True), None)  # warm: pool, sympy
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # "go": every arm starts now
         t0 = time.monotonic()
@@ -113,7 +99,7 @@ async def run_arm(args) -> dict:
                 cpu[key] = cpu_seconds()
         sampler = threading.Thread(target=sample_cpu, daemon=True)
         sampler.start()
-        sink, control, snaps, closing = CountingSink(), StopAt(w1 + 0.5), [], {}
+        sink, control, snaps, closing = CountingSink(times=True), StopAt(w1 + 0.5), [], {}
         counter = sink
         if mode != "off":
             scope, budget = MODES[mode]
@@ -131,12 +117,12 @@ async def run_arm(args) -> dict:
         n = int(args.rate_cap * (args.warm + args.window + 2))  # more than any arm can do in the time
         await run_collection(spec, task_items(rows_math(n)), sink, control)
         sampler.join(5)
-        in_window = sum(1 for t in counter.done if w0 <= t < w1)
+        in_window = sum(1 for t in counter.ok_at if w0 <= t < w1)
         out = {"arm": args.arm, "mode": mode, "rollouts": in_window, "rps": in_window / args.window,
                "cpu_ms_per_rollout": 1000 * (sum(cpu["end"]) - sum(cpu["start"])) / max(1, in_window) if len(cpu) == 2 else None,
                "engine_cpu_ms_per_rollout": 1000 * (cpu["end"][0] - cpu["start"][0]) / max(1, in_window) if len(cpu) == 2 else None,
                "pool_cpu_ms_per_rollout": 1000 * (cpu["end"][1] - cpu["start"][1]) / max(1, in_window) if len(cpu) == 2 else None,
-               "ran_out": bool(counter.done) and counter.done[-1] < w1 and len(counter.done) >= n, **closing}
+               "ran_out": bool(counter.ok_at) and counter.ok_at[-1] < w1 and len(counter.ok_at) >= n, **closing}
         if snaps:
             over = [(s.verifications, s.overhead_pct) for s in snaps if s.overhead_pct is not None]
             rows = merge_rows({}, [r for s in snaps for r in s.rows])

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench._common import CountingSink, NullSink  # noqa: E402
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math, task_items  # noqa: E402
 from workers.engine.runner import run_collection  # noqa: E402
@@ -34,32 +35,7 @@ from workers.engine.types import CollectionSpec, EndpointSpec  # noqa: E402
 from workers.telemetry import Telemetry, TelemetrySink  # noqa: E402
 
 
-class Count:
-    def __init__(self):
-        self.ok = 0
-
-    async def rollout(self, r):
-        self.ok += r.ok
-
-    async def progress(self, t):
-        pass
-
-    async def close(self):
-        pass
-
-
 CLOCK = time.thread_time  # CPU time of the event-loop thread: immune to being descheduled on a shared machine
-
-
-class Null:
-    async def rollout(self, r):
-        pass
-
-    async def progress(self, t):
-        pass
-
-    async def close(self):
-        pass
 
 
 async def micro_costs(sim_url: str, rps: float) -> dict:
@@ -71,8 +47,8 @@ async def micro_costs(sim_url: str, rps: float) -> dict:
     r = RolloutResult(1, 0, True, {}, queue_ms=1.0, ttft_ms=5.0, generation_ms=20.0, verify_ms=1.0, wall_ms=27.0,
                       output_tokens=16)
     n = 200_000
-    null = Null()
-    sink = TelemetrySink(Null(), Telemetry(gpu=False))
+    null = NullSink()
+    sink = TelemetrySink(NullSink(), Telemetry(gpu=False))
     sink.telemetry.started = True  # no background tasks for the tight loop
     t = CLOCK()
     for _ in range(n):
@@ -110,7 +86,7 @@ async def micro_costs(sim_url: str, rps: float) -> dict:
 
 
 async def one(spec, n, with_telemetry: bool) -> dict:
-    count = Count()
+    count = CountingSink()
     sink = count
     tel = None
     if with_telemetry:

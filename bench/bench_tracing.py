@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench._common import CountingSink  # noqa: E402
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math, task_items  # noqa: E402
 from workers.engine.runner import run_collection  # noqa: E402
@@ -52,21 +53,6 @@ COLLECTOR = textwrap.dedent("""
     sys.stdin.readline()
     print(col.requests, len(col.spans), col.bytes, flush=True)
 """)
-
-
-class CountingSink:
-    def __init__(self):
-        self.ok = 0
-        self.spans_traced = 0
-
-    async def rollout(self, r):
-        self.ok += r.ok
-
-    async def progress(self, t):
-        pass
-
-    async def close(self):
-        pass
 
 
 async def one_run(arm: str, url: str, model: str, collector_url: str, n: int, c: int) -> dict:

@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench._common import CountingSink  # noqa: E402
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math  # noqa: E402
 from workers.engine.runner import run_collection  # noqa: E402
@@ -40,31 +41,12 @@ from workers.verifiers import sandbox  # noqa: E402
 from workers.verifiers.execution import VerifyExecutor  # noqa: E402
 
 
-class CountSink:
-    def __init__(self):
-        self.ok = self.failed = 0
-        self.rewards = []
-
-    async def rollout(self, r):
-        if r.ok:
-            self.ok += 1
-            self.rewards.append(r.reward)
-        else:
-            self.failed += 1
-
-    async def progress(self, tick):
-        pass
-
-    async def close(self):
-        pass
-
-
 async def collection(sim, verifier: str, n: int, parallelism: int, burn_ms: float, processes: int) -> dict:
     spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model), parallelism=parallelism,
                           verifier=verifier, verifier_options={"burn_ms": burn_ms}, verify_processes=processes,
                           responses_create_params={"max_output_tokens": 8}, verify_cache="off")
     rows = rows_math(n)
-    sink = CountSink()
+    sink = CountingSink(rewards=True)
     t0 = time.monotonic()
     summary = await run_collection(spec, [TaskItem(i, 0, r) for i, r in enumerate(rows)], sink)
     wall = time.monotonic() - t0

@@ -7,13 +7,13 @@ shape, the count, the total and mean milliseconds as the worker waited for them 
 """
 from __future__ import annotations
 
-import atexit
 import re
-import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+
+from bench._common import celery_worker_reporting
 
 _SHAPE = re.compile(r"'(?:[^']|'')*'|\b\d+(?:\.\d+)?\b")
 _times: dict[str, list] = {}
@@ -59,20 +59,14 @@ def _dump(out: Path, tag: str):
     (out / f"{tag}.sql.txt").write_text("\n".join(lines) + "\n")
 
 
-def main():
-    out, tag = Path(sys.argv[1]), sys.argv[2]
-    sys.argv = ["celery", *sys.argv[3:]]
+def _connect():
     from django.db.backends.signals import connection_created
 
     connection_created.connect(_install, weak=False)
-    atexit.register(_dump, out, tag)
-    from celery.__main__ import main as celery_main
 
-    try:
-        celery_main()
-    finally:
-        atexit.unregister(_dump)
-        _dump(out, tag)
+
+def main():
+    celery_worker_reporting(_dump, setup=_connect)
 
 
 if __name__ == "__main__":

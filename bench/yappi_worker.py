@@ -8,12 +8,12 @@ the shares, not the rates.
 """
 from __future__ import annotations
 
-import atexit
 import io
 import os
 import pstats
-import sys
 from pathlib import Path
+
+from bench._common import celery_worker_reporting
 
 
 def _dump(out: Path, tag: str):
@@ -33,21 +33,15 @@ def _dump(out: Path, tag: str):
     (out / f"{tag}.txt").write_text(text.getvalue())
 
 
-def main():
+def _start():
     import yappi
 
-    out, tag = Path(sys.argv[1]), sys.argv[2]
-    sys.argv = ["celery", *sys.argv[3:]]
     yappi.set_clock_type(os.environ.get("BENCH_YAPPI_CLOCK", "cpu"))  # "wall": where a chunk's time goes
     yappi.start(builtins=False, profile_threads=True)
-    atexit.register(_dump, out, tag)
-    from celery.__main__ import main as celery_main
 
-    try:
-        celery_main()
-    finally:
-        atexit.unregister(_dump)
-        _dump(out, tag)
+
+def main():
+    celery_worker_reporting(_dump, setup=_start)
 
 
 if __name__ == "__main__":

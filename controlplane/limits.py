@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ValidationError
 
 from controlplane.outbound import policy
 from workers import outbound
@@ -43,13 +42,6 @@ def endpoint_errors(values: dict) -> dict[str, list[str]]:
         if url and (why := url_problem(str(url))):
             errors.setdefault(field, []).append(f"{url}: {why}")
     return errors
-
-
-def check_endpoint_urls(endpoint) -> None:
-    """Right before calling an endpoint's servers: raise ValidationError if any URL is not allowed now."""
-    problems = [f"{u}: {why}" for u in endpoint.all_base_urls if (why := url_problem(u))]
-    if problems:
-        raise ValidationError("; ".join(problems))
 
 
 def job_errors(*, limit, num_repeats, num_samples_in_parallel, chunk_size) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""House rules the suite enforces: the linter is clean and the models match their migrations."""
+"""House rules the suite enforces: the linter is clean, the models match their migrations, the apps import
+downward only and no product module is over 700 lines."""
 from __future__ import annotations
 
 import subprocess
@@ -33,3 +34,21 @@ def test_apps_import_downward_only():
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+MAX_MODULE_LINES = 700
+PRODUCT = ("controlplane", "workers", "rolloutctl", "bench", "scripts")
+
+
+def test_no_product_module_over_700_lines():
+    """A module that grows past 700 lines is split along a seam (a room whose name says what it holds)."""
+    long = {}
+    for top in PRODUCT:
+        for path in (ROOT / top).rglob("*.py"):
+            if "migrations" in path.parts:
+                continue
+            with path.open(encoding="utf-8") as f:
+                n = sum(1 for _ in f)
+            if n > MAX_MODULE_LINES:
+                long[str(path.relative_to(ROOT))] = n
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

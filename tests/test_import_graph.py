@@ -12,6 +12,7 @@ import ast
 import os
 import subprocess
 import sys
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +120,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow
 def test_every_controlplane_module_imports_on_its_own():
     names = sorted(modules())
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings"}

@@ -11,6 +11,7 @@ what the workers and the web process can reach) does not apply; its one client s
 from __future__ import annotations
 
 import ast
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ def product_files():
                 yield path
 
 
+@pytest.mark.slow
 def test_every_http_client_in_product_code_is_the_gate():
     found = []
     for path in product_files():

@@ -265,12 +265,6 @@ def _unstorable_char(obj) -> str | None:
     return None
 
 
-def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
-    """Decode and validate one line (without its newline). Returns (row, None) or (None, reason)."""
-    row, _text, err = _parse_line(raw)
-    return row, err
-
-
 def _parse_line(raw: bytes) -> tuple[dict | None, str, str | None]:
     try:
         text = raw.decode("utf-8")

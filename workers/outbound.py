@@ -457,14 +457,6 @@ class _CappedStream:
             yield line
 
 
-async def read_body(resp, max_bytes: int | None = None) -> bytes:
-    """The whole body of a gated response (capped as the call was); ResponseTooLarge past the cap."""
-    data = await resp.content.read()
-    if max_bytes is not None and len(data) > max_bytes:
-        raise ResponseTooLarge(f"answer over {max_bytes} bytes (not read further)")
-    return data
-
-
 # ----------------------------------------------------------------------------------------------- session
 class _GatedRequest:
     def __init__(self, gs: "GatedSession", method: str, url, kw: dict, timeout_s, max_bytes):

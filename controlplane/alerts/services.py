@@ -17,6 +17,7 @@ import time
 from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
+from controlplane.outbound import webhook_policy
 
 from workers import outbound
 
@@ -48,8 +49,6 @@ def verify(secret: str, timestamp: str, body: bytes, signature: str, *, max_age_
 
 def url_problem(url: str) -> str | None:
     """Why a receiver URL is refused (checked when a webhook is saved; the gate checks again on every send)."""
-    from controlplane.outbound import webhook_policy
-
     return outbound.url_problem(url, webhook_policy())
 
 
@@ -87,8 +86,6 @@ def matching(kind: str, info: dict) -> list[Webhook]:
 
 def attempt(delivery: WebhookDelivery) -> tuple[bool, bool]:
     """Send once. (done, retry): done when it needs no other attempt (delivered, refused, or a 4xx)."""
-    from controlplane.outbound import webhook_policy
-
     hook = delivery.webhook
     policy = webhook_policy()
     body = json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True).encode()

@@ -16,6 +16,8 @@ from controlplane.limits import endpoint_errors
 from controlplane.datasets.models import DESCRIPTION_MAX_CHARS, Dataset
 from controlplane.endpoints.models import Endpoint
 from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
+from controlplane.jobs.figures import job_figures, running_seconds
+from controlplane.jobs.verification import summary as verification_summary
 from controlplane.rest.fields import NO_NUL, NOT_BLANK, ErrorSerializer, StrictJSONTypes  # noqa: F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -405,22 +407,16 @@ class JobDetailSerializer(JobSerializer):
 
     @extend_schema_field({"type": "object", "additionalProperties": {}})
     def get_figures(self, job):
-        from controlplane.jobs.figures import job_figures
-
         return job_figures(job)
 
     verification = serializers.SerializerMethodField(help_text="The latest batch verification run, if any")
 
     @extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True})
     def get_verification(self, job):
-        from controlplane.jobs.verification import summary
-
-        return summary(job)
+        return verification_summary(job)
 
     def get_elapsed_s(self, job) -> float | None:
         """Running time, pauses and queue waits excluded (the job page's elapsed)."""
-        from controlplane.jobs.figures import running_seconds
-
         return running_seconds(job)
 
 

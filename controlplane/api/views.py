@@ -29,6 +29,8 @@ from controlplane.jobs.export import iter_export_lines, streamed_for
 from controlplane.jobs import versions as job_versions
 from controlplane.jobs import profile as job_profile
 from controlplane.jobs.models import JobMetricSample, Rollout
+from controlplane.jobs.verification import start_verification
+from controlplane.jobs.workers import job_workers
 
 from . import serializers as s
 from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
@@ -315,8 +317,6 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
                            "rollouts/s, last heartbeat", responses={200: s.JobWorkersSerializer, **errors(401, 404)})
     @action(detail=True, methods=["get"])
     def workers(self, request, pk=None):
-        from controlplane.jobs.workers import job_workers
-
         job = self.get_object()
         return Response({"job": job.pk, "workers": job_workers(job)})
 
@@ -356,8 +356,6 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
                    responses={202: s.JobDetailSerializer, **errors(400, 401, 404, 409, 429)})
     @action(detail=True, methods=["post"])
     def verify(self, request, pk=None):
-        from controlplane.jobs.verification import start_verification
-
         job = self.get_object()
         self._job_for_error = job
         ser = s.VerifyRequestSerializer(data=request.data or {})

@@ -7,6 +7,9 @@ from django import forms
 from controlplane.endpoints.models import Endpoint
 from controlplane.jsonsafe import loads as json_loads_bounded
 from controlplane.jobs.models import CollectionJob
+from controlplane.datasets.services import verifier_fields
+from controlplane.jobs.services import mlflow_targets
+from controlplane.operator import worker_queues
 
 FAILURE_CLASSES = ["http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response",
                    "verifier_error", "cancelled"]
@@ -38,8 +41,6 @@ class DatasetUploadForm(forms.Form):
     def clean_verifier(self):
         name = (self.cleaned_data.get("verifier") or "").strip()
         if name:
-            from controlplane.datasets.services import verifier_fields
-
             try:
                 verifier_fields(name)
             except ValueError as exc:
@@ -61,8 +62,6 @@ class EndpointForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from controlplane.operator import worker_queues
-
         # the operator's queues only (Endpoint.clean checks it again); a value saved earlier stays listed
         current = self.instance.worker_queue if self.instance and self.instance.pk else ""
         choices = [("", "default (JOBS_ENDPOINT_QUEUES, else the default queue)")]
@@ -118,8 +117,6 @@ class LaunchJobForm(forms.Form):
         super().__init__(*args, **kwargs)
         if endpoints is not None:
             self.fields["endpoint"].queryset = endpoints
-        from controlplane.jobs.services import mlflow_targets
-
         targets = sorted(mlflow_targets())  # names only: the URIs are the deployment's business
         if targets:
             self.fields["mlflow_tracking_uri"].choices = [("", "off"), *((n, n) for n in targets)]

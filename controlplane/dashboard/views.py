@@ -18,6 +18,7 @@ from controlplane import lanes
 from controlplane.access import can_see, visible_datasets, visible_endpoints, visible_jobs
 from controlplane.datasets.services import DatasetValidationError, dataset_agents, ingest_jsonl, preview_rows
 from controlplane.jobs import history as job_history
+from controlplane.jobs import services as job_services, verification
 from controlplane.jobs.models import CollectionJob, InvalidTransition, JobState, Rollout
 from workers.nemo_gym.trajectory import trajectory
 
@@ -130,9 +131,7 @@ def job_action(request, job_id, action):
     job = _get_job(request, job_id)
     if action not in JOB_ACTIONS:
         raise Http404("unknown action")
-    from controlplane.jobs import services, verification
-
-    fn = verification.start_verification if action == "verify" else getattr(services, JOB_ACTIONS[action])
+    fn = verification.start_verification if action == "verify" else getattr(job_services, JOB_ACTIONS[action])
     try:
         fn(job)
     except InvalidTransition as e:
@@ -323,10 +322,8 @@ def dataset_detail(request, dataset_id):
     if request.method == "POST":
         form = LaunchJobForm(request.POST, endpoints=endpoints)
         if form.is_valid():
-            from controlplane.jobs.services import create_job
-
             try:
-                job = create_job(owner=request.user, dataset=ds, **form.job_kwargs())
+                job = job_services.create_job(owner=request.user, dataset=ds, **form.job_kwargs())
             except ValidationError as e:
                 for field, errs in (e.message_dict.items() if hasattr(e, "error_dict") else [(None, e.messages)]):
                     form.add_error(field if field in form.fields else None, errs)

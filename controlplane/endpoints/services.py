@@ -63,11 +63,6 @@ def normalize_base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def redact_key(api_key: str | None) -> str:
-    """What may be shown of a key: only whether one is set."""
-    return REDACTED if api_key else ""
-
-
 def redact_text(text: str, *secrets: str | None) -> str:
     """Remove every occurrence of the given secrets from text (error messages, logs)."""
     text = str(text)

@@ -24,7 +24,8 @@ from django.core.handlers.asgi import ASGIRequest
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
-from .models import Rollout
+from .models import CollectionJob, Rollout
+from .stream import current_version, lag_of
 
 EXPORT_CHUNK_ROWS = 2000
 
@@ -41,8 +42,6 @@ def curate(qs, job, *, reward_min=None, reward_max=None, skip_equal=False, max_l
     the stream keeps it); failure_classes: failed rows only of these classes (ok rows are not affected)."""
     from django.db.models import Count, F, Max, Min, Q
 
-    from .stream import current_version, lag_of
-
     job_id = getattr(job, "pk", job)
     if reward_min is not None:
         qs = qs.filter(reward__gte=reward_min)
@@ -56,7 +55,6 @@ def curate(qs, job, *, reward_min=None, reward_max=None, skip_equal=False, max_l
     if max_lag is not None:
         endpoint_id = getattr(job, "endpoint_id", None)
         if endpoint_id is None:
-            from .models import CollectionJob
             endpoint_id = CollectionJob.objects.filter(pk=job_id).values_list("endpoint_id", flat=True).first()
         current = current_version(endpoint_id)
         versions = Rollout.objects.filter(job_id=job_id).values_list("weight_version", flat=True).distinct()

@@ -116,8 +116,6 @@ def run_health(endpoint) -> dict | None:
     """What the latest run of any job on the endpoint saw of it (its replica table, single URL included):
     {"ok": some replica answered requests and none is out of rotation, "at": datetime, "answered", "errors"};
     None when no run used it in the last RUN_HEALTH_WINDOW_S. Shown beside (or instead of) the last check."""
-    from controlplane.jobs.models import JobMetricSample
-
     row = (JobMetricSample.objects.filter(job__endpoint=endpoint, extra__has_key="replicas",
                                           t__gte=timezone.now() - timedelta(seconds=RUN_HEALTH_WINDOW_S))
            .order_by("-t").values_list("t", "extra__replicas").first())

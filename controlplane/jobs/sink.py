@@ -18,6 +18,7 @@ from django.db import DataError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from controlplane.datasets.services import iter_task_rows, iter_task_rows_at
 from controlplane.jobs.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE_TYPE, endpoint_group
 from controlplane.telemetry import record_rollout_batch
 from workers.engine.materialize import materialize_tasks, row_repeats
@@ -25,6 +26,7 @@ from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, Roll
 
 from . import figures
 from .events import LiveFigures, job_group, live_figures, progress_payload
+from .openended import pass_rows
 from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 from .versions import VersionTagger
 from .stream import lock_job_for_insert
@@ -603,10 +605,6 @@ class ChunkTasks:
         return set().union(*self.tasks_by_occurrence.values()) if self.tasks_by_occurrence else set()
 
     def _page(self, start):
-        from controlplane.datasets.services import iter_task_rows, iter_task_rows_at
-
-        from .openended import pass_rows
-
         stop = min(start + self.page_rows, self.end)
         shuffled = pass_rows(self.job, self.pass_index, start, stop)
         rows = list(iter_task_rows(self.dataset, start, stop) if shuffled is None

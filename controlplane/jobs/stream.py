@@ -25,6 +25,8 @@ import time
 
 from django.db import transaction
 
+from controlplane.endpoints.models import WeightVersion
+
 from .models import CollectionJob, JobChunk, JobState, Rollout, StreamConsumer
 
 MAX_BATCH = 10_000
@@ -46,8 +48,6 @@ def lock_job_for_insert(job_id) -> None:
 # --- staleness ------------------------------------------------------------------------------------
 def current_version(endpoint_id) -> int | None:
     """The endpoint's current weight version as a number (the newest update), None before any numeric one."""
-    from controlplane.endpoints.models import WeightVersion
-
     best = None
     for v in WeightVersion.objects.filter(endpoint_id=endpoint_id).values_list("version", flat=True)[:50]:
         try:

@@ -24,7 +24,7 @@ from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_p
 from controlplane.rest.parsers import JSONParser
 from controlplane.rest.fields import StrictJSONTypes
 
-from . import services
+from . import comparison, exports, services
 from .models import ProfileSession, ProfileSnapshot
 
 
@@ -140,14 +140,14 @@ class JobProfileExportView(_Base):
         if not rows:
             raise NotFound("This job has no profile yet.")
         if q["type"] == "pstats":
-            resp = HttpResponse(services.to_pstats(rows), content_type="application/octet-stream")
+            resp = HttpResponse(exports.to_pstats(rows), content_type="application/octet-stream")
             resp["Content-Disposition"] = f'attachment; filename="job{job.pk}.pstats"'
             return resp
         if q["type"] == "callgrind":
-            resp = HttpResponse(services.to_callgrind(rows, title=f"job {job.pk}"), content_type="text/plain")
+            resp = HttpResponse(exports.to_callgrind(rows, title=f"job {job.pk}"), content_type="text/plain")
             resp["Content-Disposition"] = f'attachment; filename="callgrind.out.job{job.pk}"'
             return resp
-        return Response(services.call_tree(rows))
+        return Response(exports.call_tree(rows))
 
 
 class ProfileCompareView(_Base):
@@ -155,4 +155,4 @@ class ProfileCompareView(_Base):
                    parameters=[CompareQuerySerializer], responses={200: OpenApiTypes.OBJECT, **errors(400, *READ_ERRORS)})
     def get(self, request):
         q = query_params(CompareQuerySerializer, request)
-        return Response(services.compare_jobs(_job(request, q["a"]), _job(request, q["b"])))
+        return Response(comparison.compare_jobs(_job(request, q["a"]), _job(request, q["b"])))

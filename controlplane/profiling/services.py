@@ -1,11 +1,10 @@
 """Profiling of jobs: switching it on and off, storing the workers' snapshots, merging them into one job
-profile, comparing two profiles, computing the profiling guide's red flags, and exporting pstats /
-callgrind files. Views, the management command and the worker hook call these."""
+profile and computing the profiling guide's red flags (`comparison` sets two jobs' profiles against each
+other; `exports` writes pstats / callgrind files and the flame graph's tree). Views, the management command
+and the worker hook call these."""
 from __future__ import annotations
 
-import io
 import logging
-import marshal
 import os
 import re
 import socket
@@ -32,8 +31,8 @@ logger = logging.getLogger(__name__)
 MAX_SECONDS = 24 * 3600
 MIN_SAMPLE = 30  # profiled verifications below which a comparison warns that its scaled figures are rough
 # frames of the product itself (the pool's batch loop, the profiler, the verifier registry): never flagged
-HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/engine/attempt.py", "workers/verifiers/base.py",
-           "concurrent/futures/", "multiprocessing/", "threading.py")
+HARNESS = ("workers/profiling/", "workers/engine/runner.py", "workers/engine/feed.py", "workers/engine/attempt.py",
+           "workers/verifiers/base.py", "concurrent/futures/", "multiprocessing/", "threading.py")
 IDLE = {("select", "epoll.poll"), ("select", "poll"), ("_thread", "lock.acquire"), ("selectors", "select")}
 EXTERNAL_MODULE = re.compile(r"(^|[/\\._])(socket|ssl|subprocess|requests|urllib3?|http[/\\.]client|httpx|aiohttp)"
                              r"([/\\._]|$)")
@@ -325,7 +324,7 @@ def row_payload(r: FuncRow, total: float) -> dict:
 
 
 # ---------------------------------------------------------------------------------- red flags
-def _is_harness(r) -> bool:
+def is_harness(r) -> bool:
     m = r.module.replace("\\", "/")
     return any(h in m for h in HARNESS)
 
@@ -382,7 +381,7 @@ def red_flags(rows, *, verifications=0, job=None, over_half=0.5, nested=0.3, sel
     if total <= 0:
         return []
     by_key = {r.key: r for r in rows}
-    cand = [r for r in rows if not _is_harness(r) and not _is_idle(r)]
+    cand = [r for r in rows if not is_harness(r) and not _is_idle(r)]
     flags = []
 
     def add(kind, r, figure, value, **extra):
@@ -423,7 +422,7 @@ def red_flags(rows, *, verifications=0, job=None, over_half=0.5, nested=0.3, sel
                 f"verification)", r.ttot / total)
     # 5. synchronous external calls on the hot path
     for r in rows:
-        if _is_external(r) and r.ttot / total >= external and not _is_harness(r):
+        if _is_external(r) and r.ttot / total >= external and not is_harness(r):
             add("sync_external", r, f"ttot {r.ttot:.3f}s = {100 * r.ttot / total:.1f}% of total, "
                 f"{round(r.ncall)} calls", r.ttot / total)
     # 6. tavg growing with the dataset size, across this job and earlier profiled jobs of the same verifier
@@ -441,7 +440,7 @@ def growth_flags(job, rows, total, min_size_ratio=2.0, min_tavg_ratio=1.5, share
     others = (CollectionJob.objects.filter(verifier=job.verifier, profile_snapshots__isnull=False)
               .exclude(pk=job.pk).distinct().order_by("-pk")[:10])
     size = job.total_rollouts or 0
-    mine = {(short_module(r.module), r.name): r for r in rows if not _is_harness(r) and r.ttot / total >= share}
+    mine = {(short_module(r.module), r.name): r for r in rows if not is_harness(r) and r.ttot / total >= share}
     flags = []
     for other in others:
         osize = other.total_rollouts or 0
@@ -461,187 +460,6 @@ def growth_flags(job, rows, total, min_size_ratio=2.0, min_tavg_ratio=1.5, share
         if flags:
             break
     return flags
-
-
-# ----------------------------------------------------------------------------------- compare
-def _match(a_rows, b_rows):
-    a = {(short_module(r.module), r.name): r for r in a_rows}
-    b = {(short_module(r.module), r.name): r for r in b_rows}
-    pairs = [(k, a.get(k), b.get(k)) for k in dict.fromkeys(list(a) + list(b))]
-    # a function that moved to another module (a fixed copy of the verifier) matches by name when unique
-    only_a = [(k, x) for k, x, y in pairs if y is None]
-    only_b = [(k, y) for k, x, y in pairs if x is None]
-    names_a = {}
-    for k, x in only_a:
-        names_a.setdefault(x.name, []).append(k)
-    names_b = {}
-    for k, y in only_b:
-        names_b.setdefault(y.name, []).append(k)
-    merged = {}
-    for name, ka in names_a.items():
-        kb = names_b.get(name)
-        if len(ka) == 1 and kb and len(kb) == 1 and not _is_harness(a[ka[0]]):
-            merged[ka[0]] = kb[0]
-    out = []
-    used_b = set(merged.values())
-    for k, x, y in pairs:
-        if x is None and k in used_b:
-            continue
-        if y is None and k in merged:
-            y = b[merged[k]]
-        out.append((x, y))
-    return out
-
-
-def compare(a_rows, b_rows, *, a_total=None, b_total=None, a_units=None, b_units=None,
-            tolerance=0.1) -> list[dict]:
-    """Per function: Δttot, Δtavg, Δncall, share of total in each, verdict faster / slower / same / new / gone
-    (or "not profiled" when one side has no profile at all).
-
-    With the number of verifications behind each profile (a_units, b_units), the verdict compares a
-    function's time per verification: a cache or a hoisted call lowers that while each remaining call
-    costs the same, so per-call averages alone would call it "same" or even "slower". Without them the
-    verdict compares the average time per call.
-    """
-    a_total = a_total or sum(max(0.0, r.tsub) for r in a_rows) or 1.0
-    b_total = b_total or sum(max(0.0, r.tsub) for r in b_rows) or 1.0
-    per_unit = bool(a_units and b_units)
-
-    def cost(row, units):
-        return row.ttot / units if per_unit else row.tavg
-
-    out = []
-    for x, y in _match(a_rows, b_rows):
-        r = y or x
-        if x is None:  # a side with no rows at all sampled nothing: its functions are unknown, not gone
-            verdict = "not profiled" if not a_rows else "new"
-        elif y is None:
-            verdict = "not profiled" if not b_rows else "gone"
-        elif cost(y, b_units) < cost(x, a_units) * (1 - tolerance):
-            verdict = "faster"
-        elif cost(y, b_units) > cost(x, a_units) * (1 + tolerance):
-            verdict = "slower"
-        else:
-            verdict = "same"
-        out.append({
-            "name": r.name, "module": short_module(r.module), "line": r.line, "verdict": verdict,
-            "a": None if x is None else {"ncall": round(x.ncall), "tsub": x.tsub, "ttot": x.ttot, "tavg": x.tavg,
-                                         "share": x.ttot / a_total,
-                                         "per_verification": x.ttot / a_units if per_unit else None},
-            "b": None if y is None else {"ncall": round(y.ncall), "tsub": y.tsub, "ttot": y.ttot, "tavg": y.tavg,
-                                         "share": y.ttot / b_total,
-                                         "per_verification": y.ttot / b_units if per_unit else None},
-            "d_ttot": (y.ttot if y else 0.0) - (x.ttot if x else 0.0),
-            "d_tavg": (y.tavg if y else 0.0) - (x.tavg if x else 0.0),
-            "d_ncall": round((y.ncall if y else 0) - (x.ncall if x else 0)),
-        })
-    out.sort(key=lambda d: -max(abs(d["d_ttot"]), (d["a"] or {}).get("ttot", 0), (d["b"] or {}).get("ttot", 0)))
-    return out
-
-
-def job_throughput(job) -> float | None:
-    """Rollouts per second over the job's run (completed jobs; running ones up to now)."""
-    if job.started_at is None:
-        return None
-    end = job.finished_at or timezone.now()
-    dt = (end - job.started_at).total_seconds()
-    return (job.completed_count + job.failed_count) / dt if dt > 0 else None
-
-
-def job_figures(job) -> dict:
-    """sample_figures of all the job's profiled windows (every session): what a comparison takes."""
-    return sample_figures(list(ProfileSnapshot.objects.filter(job=job)))
-
-
-def compare_jobs(a_job, b_job, *, a: dict | None = None) -> dict:
-    """Two jobs per function, each from all of its profiled windows (every session), the rows and the
-    verifications behind them from the same snapshots. `a`: a_job's job_figures when the caller has them
-    (the compare page sets one job against several)."""
-    a = a if a is not None else job_figures(a_job)
-    b = job_figures(b_job)
-    sides = ((a_job, a), (b_job, b))
-    unprofiled = [str(j.pk) for j, f in sides if not f["rows"]]
-    thin = [f"job {j.pk}: {f['profiled']} of {f['verifications']}" for j, f in sides if f["few_samples"]]
-    warnings = []
-    if unprofiled:
-        warnings.append(f"job {' and '.join(unprofiled)} has no profile (profiling was not on while it verified): "
-                        "its functions cannot be compared")
-    if thin:
-        warnings.append(f"call counts and times are scaled from few profiled verifications ({'; '.join(thin)}): "
-                        "they may be far off; profile longer, or with budget_pct 100 for exact counts")
-    ta, tb = job_throughput(a_job), job_throughput(b_job)
-
-    def side(job, f, throughput):
-        return {"job": job.pk, "verifier": job.verifier, "throughput": throughput, "total_s": f["total_s"],
-                "verifications": f["verifications"], "profiled": f["profiled"], "overhead_pct": f["overhead_pct"]}
-
-    return {
-        "a": side(a_job, a, ta),
-        "b": side(b_job, b, tb),
-        "warning": " ".join(warnings),
-        "throughput_ratio": (tb / ta) if ta and tb else None,
-        "functions": compare(a["rows"], b["rows"], a_units=a["verifications"], b_units=b["verifications"]),
-    }
-
-
-# ----------------------------------------------------------------------------------- exports
-def to_pstats(rows) -> bytes:
-    """The profile as a marshalled pstats dict (pstats.Stats(path) loads it; snakeviz opens it)."""
-    stats = {}
-    by_key = {r.key: r for r in rows}
-    callers: dict = {r.key: {} for r in rows}
-    for r in rows:
-        for c in r.children:
-            ck = (c[0], int(c[1]), c[2])
-            child = by_key.get(ck)
-            n = int(round(c[3]))
-            tt = child.tsub * (c[4] / child.ttot) if child and child.ttot else 0.0
-            callers.setdefault(ck, {})[r.key] = (n, n, tt, float(c[4]))
-    for r in rows:
-        n = int(round(r.ncall))
-        stats[(r.module, int(r.line), r.name)] = (n, n, float(r.tsub), float(r.ttot), callers.get(r.key, {}))
-    return marshal.dumps(stats)
-
-
-def to_callgrind(rows, *, title="rollout control plane profile") -> str:
-    """The profile in callgrind format for KCachegrind / QCachegrind (costs in microseconds)."""
-    out = io.StringIO()
-    w = out.write
-    total = sum(max(0.0, r.tsub) for r in rows)
-    w("# callgrind format\nversion: 1\ncreator: rollout-control-plane\n")
-    w(f"cmd: {title}\npositions: line\nevents: Microseconds\nsummary: {int(total * 1e6)}\n\n")
-    by_key = {r.key: r for r in rows}
-    for r in rows:
-        w(f"fl={r.module}\nfn={r.name}\n{int(r.line)} {int(max(0.0, r.tsub) * 1e6)}\n")
-        for c in r.children:
-            child = by_key.get((c[0], int(c[1]), c[2]))
-            w(f"cfl={c[0]}\ncfn={c[2]}\ncalls={max(1, int(round(c[3])))} {int(c[1])}\n")
-            w(f"{int(r.line)} {int(max(0.0, c[4]) * 1e6)}\n")
-            _ = child
-        w("\n")
-    return out.getvalue()
-
-
-def call_tree(rows, max_depth=12, min_share=0.005) -> dict:
-    """A nested {name, value, children} tree (value = inclusive µs) from the roots (functions nobody calls)."""
-    by_key = {r.key: r for r in rows}
-    called = {tuple(c[:3]) for r in rows for c in r.children}
-    total = sum(max(0.0, r.tsub) for r in rows) or 1.0
-    roots = [r for r in rows if r.key not in called] or sorted(rows, key=lambda r: -r.ttot)[:1]
-
-    def node(r, t, depth, path):
-        kids = []
-        if depth < max_depth:
-            for c in sorted(r.children, key=lambda c: -c[4]):
-                ck = tuple(c[:3])
-                if ck in path or ck not in by_key or c[4] / total < min_share:
-                    continue
-                kids.append(node(by_key[ck], c[4], depth + 1, path | {ck}))
-        return {"name": f"{r.name} ({short_module(r.module)}:{r.line})", "value": int(t * 1e6), "children": kids}
-
-    return {"name": "all", "value": int(total * 1e6),
-            "children": [node(r, r.ttot, 1, {r.key}) for r in sorted(roots, key=lambda r: -r.ttot)
-                         if r.ttot / total >= min_share]}
 
 
 # ------------------------------------------------------------------------------------ diagnosis
@@ -669,7 +487,7 @@ def profile_top(job) -> dict | None:
                                 "figure": f["figure"], "flag": kind, "advice": f["advice"], "session": session.pk}
                 return {"function": f["function"], "module": f["module"], "line": f["line"], "figure": f["figure"],
                         "flag": kind, "advice": f["advice"], "session": session.pk}
-        r = max((r for r in rows if not _is_harness(r) and not _is_idle(r)), key=lambda r: r.tsub, default=None)
+        r = max((r for r in rows if not is_harness(r) and not _is_idle(r)), key=lambda r: r.tsub, default=None)
         if r is None:
             return None
         return {"function": r.name, "module": short_module(r.module), "line": r.line, "flag": None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from controlplane import operator as knobs
 
-from . import services
+from . import comparison, services
 
 
 COMPARE_TOP = 25  # functions listed per pair on the compare page (the API has them all)
@@ -14,9 +14,9 @@ def compare_context(request, jobs) -> dict | None:
     when none of the jobs was profiled."""
     try:
         pairs = []
-        first = services.job_figures(jobs[0])  # merged once, set against each other job
+        first = comparison.job_figures(jobs[0])  # merged once, set against each other job
         for other in jobs[1:]:
-            cmp = services.compare_jobs(jobs[0], other, a=first)
+            cmp = comparison.compare_jobs(jobs[0], other, a=first)
             cmp["shown"] = cmp["functions"][:COMPARE_TOP]
             cmp["a_job"], cmp["b_job"] = jobs[0], other
             pairs.append(cmp)

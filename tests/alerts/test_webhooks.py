@@ -94,6 +94,7 @@ def _hook(api, url, **kw):
     return r.json()
 
 
+@pytest.mark.slow
 def test_a_completed_job_is_received_signed_and_logged_on_the_page(api, user, receiver, local_allowed, eager_tasks,
                                                                   django_capture_on_commit_callbacks, client):
     rcv = receiver()
@@ -156,6 +157,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_dead_or_hanging_receiver_never_slows_the_job(api, user, receiver, local_allowed,
                                                        django_capture_on_commit_callbacks, monkeypatch):
     hanging = receiver(hang_s=30)
@@ -214,6 +216,7 @@ def test_a_stored_receiver_on_a_private_address_is_refused_at_send_time(user, re
     assert rcv.got == []
 
 
+@pytest.mark.slow
 def test_a_control_action_over_its_threshold_is_sent(api, user, receiver, local_allowed, settings, eager_tasks,
                                                       django_capture_on_commit_callbacks):
     from controlplane.endpoints import admin_ops

@@ -28,6 +28,7 @@ def _cli(url, token, *args):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_gate_exits_1_against_a_faster_baseline_and_0_against_a_slower_one(jobs, live_server):
     from controlplane.alerts.models import Webhook, WebhookDelivery
 
@@ -68,6 +69,7 @@ def test_gate_exits_1_against_a_faster_baseline_and_0_against_a_slower_one(jobs,
     assert r.returncode == 2 and "--baseline-job" in r.stderr
 
 
+@pytest.mark.slow
 def test_diagnose_and_sweep_commands(jobs, live_server):
     from controlplane.diagnostics.models import ParallelismSweep
 

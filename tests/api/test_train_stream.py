@@ -2,6 +2,7 @@
 consumer across its restarts, complete groups, all-equal groups left out, bounded staleness, ownership."""
 from __future__ import annotations
 
+import pytest
 from datetime import timedelta
 
 from django.utils import timezone
@@ -128,6 +129,7 @@ def _versions(endpoint, n):
                                      started_at=now - timedelta(seconds=100 - v), applied_at=now - timedelta(seconds=99 - v))
 
 
+@pytest.mark.slow
 def test_rollouts_past_the_lag_bound_are_kept_and_marked(api, alice, dataset, endpoint):
     job = make_job(alice, dataset, endpoint, n_rollouts=40, state="running")
     job.max_version_lag, job.stale_policy = 1, "mark"

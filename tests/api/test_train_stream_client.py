@@ -16,6 +16,7 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_trainer_restarted_mid_batch_continues_exactly_once(live_server):
     user = make_user("trainer-owner", token=True)

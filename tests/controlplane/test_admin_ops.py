@@ -53,6 +53,7 @@ def _dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_factory):
     a, b = simulator_factory(update_weights_ms=50), simulator_factory(update_weights_ms=50)
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url])
@@ -96,6 +97,7 @@ def test_bad_update_requests_are_refused_and_send_nothing(api, user, sim_endpoin
     assert not AdminOperation.objects.exists() and not AdminAction.objects.exists()
 
 
+@pytest.mark.slow
 def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator_factory):
     sim = simulator_factory()
     sim.configure(admin_faults={"update_weights": "503"})
@@ -119,6 +121,7 @@ def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator
     assert AdminOperation.objects.filter(kind="resume", status="ok", trace_id=out["trace_id"]).count() == 1
 
 
+@pytest.mark.slow
 def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, simulator_factory, settings):
     good, stuck = simulator_factory(), simulator_factory()
     stuck.configure(admin_faults={"pause": "stall", "health": "stall"})
@@ -144,6 +147,7 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
         admin_client.DEFAULT_TIMEOUTS_S.update(old)
 
 
+@pytest.mark.slow
 def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulator_factory):
     """Without a worker the action stays queued and no model server hears of it; the task (what a worker
     runs) records the report on the action, once: a redelivered task does not send the update again."""
@@ -213,6 +217,7 @@ def test_queued_actions_lost_with_the_brokers_data_are_sent_again_or_expired(use
     assert AdminOperation.objects.filter(trace_id="recent").count() == 1
 
 
+@pytest.mark.slow
 def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simulator_factory, capsys, eager_tasks):
     a, b = simulator_factory(), simulator_factory()
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url], name="two-sims")
@@ -280,6 +285,7 @@ def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, us
     assert "pause mode must be one of" in r.content.decode()
 
 
+@pytest.mark.slow
 def test_a_job_spanning_two_weight_versions(api, client, user, math_dataset, sim_endpoint, simulator_factory, tmp_path):
     sim = simulator_factory(seed=4, ttft_ms=40, itl_ms=2, update_weights_ms=100)
     ep = sim_endpoint(sim.url, owner=user)

@@ -72,6 +72,7 @@ def test_missing_required():
         parse_overrides(["+output_jsonl_fpath=o.jsonl", "+model_base_url=http://h", "+model_name=m"])
 
 
+@pytest.mark.slow
 @pytest.mark.django_db
 def test_command_error_lists_valid_keys_and_help(tmp_path):
     with pytest.raises(CommandError) as ei:
@@ -156,6 +157,7 @@ def assert_exactly_once(job, n):
                 .annotate(c=Count("id")).filter(c__gt=1).exists())
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
     inp = write_math(tmp_path / "tasks.jsonl", 30)
@@ -194,6 +196,7 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
                                                                                      for k in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_failed_job_exits_nonzero_with_message(tmp_path):
     import socket
@@ -233,6 +236,7 @@ def _wait_rows(job_filter, at_least, proc, timeout=60):
     raise AssertionError("no progress")
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
 def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, sig):
@@ -295,6 +299,7 @@ def _fresh_checkout_env(var_dir, **extra):
     return {**env, "CONTROLPLANE_VAR_DIR": str(var_dir), **extra}
 
 
+@pytest.mark.slow
 def test_fresh_checkout_migrates_the_embedded_database_and_finds_the_served_model(simulator, tmp_path):
     inp = write_math(tmp_path / "tasks.jsonl", 6)
     out = tmp_path / "out" / "rollouts.jsonl"
@@ -382,6 +387,7 @@ def test_format_log_is_yappis_own_table(tmp_path):
     assert sorted(ours.split("\n")[5:]) == sorted(theirs.split("\n")[5:])  # ties in total time may swap
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_profiling_enabled_writes_nemo_gym_logs_the_seed_can_diff(simulator, tmp_path, capsys):
     from controlplane.profiling.models import ProfileSession

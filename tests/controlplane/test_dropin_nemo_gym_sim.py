@@ -178,6 +178,7 @@ def test_disable_aggregation_calls_no_aggregate_metrics(tmp_path, capsys):
     assert "nemo_gym_agents" not in (job.aggregate_metrics or {})
 
 
+@pytest.mark.slow
 def test_failures_file_one_line_per_failed_rollout_despite_retries(tmp_path):
     out = tmp_path / "rollouts.jsonl"
     with FakeNemoGym(tmp_path / "ng", fail_tasks={1, 4}) as ng:
@@ -200,6 +201,7 @@ def check_columns(text: str) -> list[str]:
     return [line for line in lines[header + 1:] if line.strip()]
 
 
+@pytest.mark.slow
 def test_profiling_writes_each_servers_own_log_discovered_from_the_head(tmp_path, capsys):
     from django.contrib.auth.models import User
     from django.test import Client
@@ -271,6 +273,7 @@ def test_profiling_says_which_servers_do_not_profile_themselves(tmp_path, capsys
     assert not list((tmp_path / "prof").glob("*.log"))
 
 
+@pytest.mark.slow
 def test_resume_from_cache_keeps_nemo_gyms_failure_ledger(tmp_path):
     """nemo-gym 0.4.0: `<out>_failures.jsonl` is opened for append and never rewritten; each run writes one line
     per rollout that failed in it, and +resume_from_cache retries a failed rollout until it has

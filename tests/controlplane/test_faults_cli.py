@@ -49,6 +49,7 @@ def test_sigkilled_cli_leaves_no_verifier_pool_process(simulator_factory, tmp_pa
     assert_exactly_once(job, n_tasks * repeats)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_verifier_that_kills_its_process_is_recorded_per_row_and_the_job_completes(user, math_dataset, sim_endpoint,
                                                                                      simulator_factory, settings):

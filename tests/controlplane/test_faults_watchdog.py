@@ -28,6 +28,7 @@ def _page(user, job):
     return r.content.decode()
 
 
+@pytest.mark.slow
 def test_hung_model_server_is_named_on_the_job_page(user, math_dataset, sim_endpoint, simulator_factory, settings):
     settings.JOBS_STALL_AFTER_S = 1
     sim = simulator_factory(seed=1, fault_rates={"stall": 1.0})  # every request hangs

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from tests.fixtures_simulator import REPO_ROOT
 
@@ -66,6 +67,7 @@ print("RESULT " + json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_sqlite_ingest_numbering_is_linear_and_matches_nemo_gym(tmp_path):
     env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/laptop.sqlite3",
            "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)}

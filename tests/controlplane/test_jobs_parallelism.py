@@ -25,6 +25,7 @@ def test_running_chunks_share_the_job_budget(user, math_dataset, sim_endpoint):
     assert [chunk_parallelism_share(job.pk, c.pk, 2) for c in chunks[:3]] == [1, 1, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_chunks_never_exceed_the_job_parallelism(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(ttft_ms=30, itl_ms=2, max_num_seqs=256)

@@ -66,6 +66,7 @@ def wait_for(predicate, timeout=30.0, interval=0.05):
     return False
 
 
+@pytest.mark.slow
 def test_inline_run_end_to_end(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=1, ttft_ms=1, itl_ms=0)
     job = new_job(user, math_dataset(40), sim_endpoint(sim.url), num_repeats=2, chunk_size=15,
@@ -95,6 +96,7 @@ def test_inline_run_end_to_end(user, math_dataset, sim_endpoint, simulator_facto
             "output_tokens_per_s", "eta_s", "errors", "t", "stalled"} <= set(seen[-1])
 
 
+@pytest.mark.slow
 def test_metric_samples_written_while_running(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=2, ttft_ms=300, itl_ms=0)
     job = new_job(user, math_dataset(24), sim_endpoint(sim.url), num_samples_in_parallel=4)
@@ -105,6 +107,7 @@ def test_metric_samples_written_while_running(user, math_dataset, sim_endpoint, 
     assert samples[-1].completed == 24 and samples[-1].parallelism == 4 and samples[-1].worker
 
 
+@pytest.mark.slow
 def test_rerun_is_exactly_once(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=3, ttft_ms=1, itl_ms=0)
     job = new_job(user, math_dataset(30), sim_endpoint(sim.url), num_repeats=2, chunk_size=10)
@@ -127,6 +130,7 @@ def test_rerun_is_exactly_once(user, math_dataset, sim_endpoint, simulator_facto
     assert job.completed_count + job.failed_count == 60  # counters recomputed, nothing double counted
 
 
+@pytest.mark.slow
 def test_progress_messages_reach_the_channel_layer(user, math_dataset, sim_endpoint, simulator_factory):
     from channels.layers import get_channel_layer
 
@@ -166,6 +170,7 @@ def test_progress_messages_reach_the_channel_layer(user, math_dataset, sim_endpo
     assert len(messages) <= 4 * span + 6
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_fails_the_job_with_a_clear_message(user, math_dataset, sim_endpoint):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -182,6 +187,7 @@ def test_unreachable_endpoint_fails_the_job_with_a_clear_message(user, math_data
     assert job.chunks.get().state == "pending"  # resumable
 
 
+@pytest.mark.slow
 def test_stalled_server_is_cut_off_by_the_timeout(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=5, ttft_ms=1, itl_ms=0, fault_rates={"stall": 0.3})
     endpoint = sim_endpoint(sim.url, request_timeout_s=1.0, max_retries=0)
@@ -195,6 +201,7 @@ def test_stalled_server_is_cut_off_by_the_timeout(user, math_dataset, sim_endpoi
     assert job.completed_count + job.failed_count == 30 == Rollout.objects.filter(job=job).count()
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_running_job_within_two_seconds(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=6, ttft_ms=5000, itl_ms=0)  # every request takes 5 s
     job = new_job(user, math_dataset(200), sim_endpoint(sim.url), num_samples_in_parallel=16)
@@ -212,6 +219,7 @@ def test_cancel_stops_a_running_job_within_two_seconds(user, math_dataset, sim_e
     assert job.chunks.get().state == "pending" and Rollout.objects.filter(job=job).count() == 0
 
 
+@pytest.mark.slow
 def test_pause_then_resume_completes_exactly_once(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=7, ttft_ms=100, itl_ms=0)
     job = new_job(user, math_dataset(120), sim_endpoint(sim.url), num_samples_in_parallel=8, chunk_size=40)
@@ -243,6 +251,7 @@ def celery_eager():
     app.conf.task_always_eager = before
 
 
+@pytest.mark.slow
 def test_launch_dispatches_one_task_per_chunk(user, math_dataset, sim_endpoint, simulator_factory, celery_eager):
     sim = simulator_factory(seed=8, ttft_ms=1, itl_ms=0)
     job = services.create_job(owner=user, dataset=math_dataset(25), endpoint=sim_endpoint(sim.url),

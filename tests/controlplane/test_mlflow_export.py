@@ -48,6 +48,7 @@ def test_only_the_deployments_tracking_servers_are_accepted(tracking, client):
     assert CollectionJob.objects.get(pk=ok.json()["id"]).collection_options == {"mlflow": "local"}
 
 
+@pytest.mark.slow
 @pytest.mark.django_db
 def test_job_run_read_back_with_get_run(tracking, monkeypatch, tmp_path):
     import mlflow

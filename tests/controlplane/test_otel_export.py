@@ -25,6 +25,7 @@ def collector():
     col.close()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_spans_of_a_real_run_reach_an_otlp_collector(simulator_factory, tmp_path, settings, collector):
     settings.TRACING_MODE = "otlp"

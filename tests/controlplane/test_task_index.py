@@ -49,6 +49,7 @@ def test_identical_lines_share_a_task_index_and_continue_its_rollouts():
     assert len(set(NEMO_GYM_PAIRS)) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_job_on_identical_lines_stores_nemo_gyms_pairs_once(simulator, sim_endpoint):
     ds = _ingest()

@@ -16,6 +16,7 @@ from tests.factories import api_token, make_user
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01")
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_each_rollouts_requests_carry_its_stored_trace_id(simulator_factory, tmp_path, client):
     sim = simulator_factory(seed=5, fault_rates={"500": 0.2})  # some requests retried: a new span, the same trace

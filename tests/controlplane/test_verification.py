@@ -62,6 +62,7 @@ def test_user_verifier_by_dotted_path_scores_a_job(user, math_dataset, sim_endpo
     assert "mean/reward" in job.aggregate_metrics
 
 
+@pytest.mark.slow
 def test_deferred_job_verified_in_a_resumable_batch_equals_inline(user, math_dataset, sim_endpoint, simulator_factory):
     ds = math_dataset(60)
     sim_a = simulator_factory(seed=7, math_accuracy=0.6)
@@ -92,6 +93,7 @@ def test_deferred_job_verified_in_a_resumable_batch_equals_inline(user, math_dat
     assert summary["state"] == "done" and summary["verified"] == 60 and summary["info"]["kind"] == "cpu"
 
 
+@pytest.mark.slow
 def test_fast_job_gets_the_exact_verifier_later_and_repeats_hit_the_cache(user, math_dataset, sim_endpoint,
                                                                             simulator_factory):
     rows = [{"responses_create_params": {"input": "What is 3 + 4?"}, "question": "What is 3 + 4?",
@@ -135,6 +137,7 @@ def test_only_completed_jobs_are_verified(user, math_dataset, sim_endpoint):
         verification.start_verification(job, launch=False)
 
 
+@pytest.mark.slow
 def test_fast_job_completion_sends_its_exact_pass_to_a_worker(user, math_dataset, sim_endpoint, simulator,
                                                               django_capture_on_commit_callbacks, monkeypatch):
     """Through Celery (not the inline runner): the last chunk's completion creates the exact pass in the same

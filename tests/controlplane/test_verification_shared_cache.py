@@ -52,6 +52,7 @@ def _worker(job, errors):
         connection.close()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_identical_work_is_computed_once_across_chunks_workers_and_runs(user, math_dataset, sim_endpoint,
                                                                        simulator_factory, counter, settings):
@@ -118,6 +119,7 @@ def test_two_executors_in_flight_compute_identical_work_once(counter):
     assert a.stats()["verify_cache_shared"] is True
 
 
+@pytest.mark.slow
 def test_more_lookups_at_once_than_redis_connections_keep_the_shared_cache_on(counter):
     """A run at parallelism 512 looks up 512 results at once: they share a few Redis connections and round
     trips instead of failing with "Too many connections" past redis-py's default pool of 100, which turned
@@ -190,6 +192,7 @@ def test_changed_verifier_code_gets_other_keys():
         v.__dict__["_fingerprint"] = fp
 
 
+@pytest.mark.slow
 def test_a_dead_workers_claim_expires_and_the_work_is_taken_over(counter):
     """A worker claimed a verification and died: the others wait no longer than the claim's life."""
     import time

@@ -47,6 +47,7 @@ def _job(alice, state="running"):
     return job
 
 
+@pytest.mark.slow
 def test_runs_one_after_another_do_not_add_their_rates(alice):
     job = _job(alice, state="completed")
     now = timezone.now()
@@ -100,6 +101,7 @@ def test_chart_breaks_at_pauses_and_has_no_end_spike(alice):
     assert values[-1] == pytest.approx(25.0, rel=0.1)
 
 
+@pytest.mark.slow
 def test_workers_panel_counts_only_stored_rollouts(alice):
     job = _job(alice)
     now = timezone.now()

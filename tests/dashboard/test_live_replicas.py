@@ -62,6 +62,7 @@ async def _next_table(comm) -> dict[str, dict]:
     return _rows(msg["html"])
 
 
+@pytest.mark.slow
 async def test_replica_table_follows_the_runs_ticks(running_job):
     from controlplane.jobs.sink import DbSink, DbThread
     from workers.engine.replicas import ReplicaSet

@@ -47,6 +47,7 @@ def test_launch_form_takes_a_dotted_path_verifier(client_alice, alice, no_celery
     assert CollectionJob.objects.count() == 1
 
 
+@pytest.mark.slow
 def test_verify_this_job_from_the_job_page(client_alice, alice, monkeypatch, django_capture_on_commit_callbacks):
     from controlplane.jobs import tasks
 

@@ -33,6 +33,7 @@ def _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory, **kw):
     return sim, job
 
 
+@pytest.mark.slow
 def test_job_run_stores_telemetry_and_is_diagnosed(settings, user, math_dataset, sim_endpoint, simulator_factory):
     settings.DIAGNOSTICS_SCRAPE_INTERVAL_S = 0.5
     sim, job = _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory)
@@ -67,6 +68,7 @@ def test_job_run_stores_telemetry_and_is_diagnosed(settings, user, math_dataset,
     assert "Model server capacity: 4 requests at once" in text.getvalue()
 
 
+@pytest.mark.slow
 def test_parallelism_auto_job_records_adaptive_decisions(user, math_dataset, sim_endpoint, simulator_factory):
     sim = simulator_factory(seed=12, ttft_ms=60, itl_ms=5, jitter=0.05, max_num_seqs=64, output_len_min=20,
                             output_len_max=20)
@@ -85,6 +87,7 @@ def test_parallelism_auto_job_records_adaptive_decisions(user, math_dataset, sim
     assert max(s.parallelism for s in samples) > 2  # the engine applied the controller's limit
 
 
+@pytest.mark.slow
 def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_factory, django_user_model, settings):
     settings.ROOT_URLCONF = "tests.diagnostics.urls"
     sim, job = _model_bound_job(user, math_dataset, sim_endpoint, simulator_factory)
@@ -116,6 +119,7 @@ def test_diagnosis_api_and_panel(user, math_dataset, sim_endpoint, simulator_fac
     assert page.status_code == 200 and b"Bottleneck diagnosis" in page.content
 
 
+@pytest.mark.slow
 def test_sweep_service_command_and_api(settings, user, math_dataset, sim_endpoint, simulator_factory):
     settings.ROOT_URLCONF = "tests.diagnostics.urls"
     sim = simulator_factory(seed=13, ttft_ms=40, itl_ms=5, jitter=0.05, max_num_seqs=8, output_len_min=20,
@@ -146,6 +150,7 @@ def test_sweep_service_command_and_api(settings, user, math_dataset, sim_endpoin
     assert {s["id"] for s in listing} >= {sweep.pk}
 
 
+@pytest.mark.slow
 def test_sweep_api_post_dispatches_the_celery_task(settings, user, math_dataset, sim_endpoint, simulator_factory,
                                                    monkeypatch):
     settings.ROOT_URLCONF = "tests.diagnostics.urls"

@@ -67,6 +67,7 @@ def test_healthz_reports_redis_down(settings):
     assert body["checks"]["database"]["ok"] is True
 
 
+@pytest.mark.slow
 def test_database_down_reported_by_healthz_and_metrics(tmp_path):
     """A process whose PostgreSQL does not answer (a closed port): /healthz 503 naming the database,
     /metrics still answers with controlplane_database_up 0 (Prometheus sees the outage, not a failed scrape)."""

@@ -93,6 +93,7 @@ def test_two_web_processes_share_throttle_limits_through_redis(tmp_path):
             p.stop()
 
 
+@pytest.mark.slow
 def test_production_settings_use_redis_for_the_cache_and_throttles(tmp_path):
     """The settings as a deployment loads them: cache on Redis, DRF throttles on that cache, DEBUG off,
     Secure cookies, HSTS, and `check --deploy` clean (warnings fail it)."""

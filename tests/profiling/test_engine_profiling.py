@@ -59,6 +59,7 @@ def test_pool_side_profiles_every_call_in_worker_scope_and_rows_have_the_columns
     assert verify.children and all(len(c) == 5 for c in verify.children)
 
 
+@pytest.mark.slow
 def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
     core._STATE.__init__()
     cfg = ProfileConfig(session="t-sample", budget_pct=2.0).pool_args()
@@ -83,6 +84,7 @@ def test_verify_scope_samples_within_the_budget_and_scales_to_all_calls():
     assert measured and max(measured) < 25 and sum(measured) / len(measured) < 6
 
 
+@pytest.mark.slow
 def test_a_verifier_too_fast_for_the_budget_still_gets_one_profiled_call_per_session():
     """The budget alone would never pay for one read of the stats (1 % of a few ms of verification): the
     session's first verification after the baseline is profiled anyway, so the session has a profile; the
@@ -119,6 +121,7 @@ def _cache_like_verify(items):
     return out
 
 
+@pytest.mark.slow
 def test_sample_does_not_favour_the_first_item_of_a_batch():
     """The pool sends a batch of one when idle, then everything that waited: in RL collection the lone one is
     often a task's first repeat, the one that misses a verifier's cache. Profiling the first item of each batch
@@ -153,6 +156,7 @@ def _tiny(i):
     return i * 2
 
 
+@pytest.mark.slow
 def test_a_slow_warm_up_does_not_make_profiling_look_free():
     """The pool's first verifications can be slow (imports, cold caches). Were the unprofiled time per call
     left at that, every profiled call would look cheaper than an unprofiled one and the gate would let every
@@ -233,6 +237,7 @@ def test_hand_backs_merge_in_the_engine_scaled_to_all_verifications():
     assert verify.children and all(c[3] == 5 * kids[tuple(c[:3])][3] for c in verify.children)
     assert snap.overhead_pct == pytest.approx((40 * 1.0 + 10 * 3.0) / 50)  # weighted by verifications
 
+@pytest.mark.slow
 async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     """A ProfilingControl turns profiling on after a moment and off again; the run never stops, and the
     snapshots name the verifier's functions with the verifications they stand for."""

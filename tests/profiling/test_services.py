@@ -14,7 +14,7 @@ from django.core.management import call_command
 from rest_framework.test import APIClient
 
 from controlplane.jobs import services as job_services
-from controlplane.profiling import services
+from controlplane.profiling import comparison, services
 from controlplane.profiling.models import ProfileSession
 from workers.profiling.core import ProfileSnapshot as Snap, rows_from_yappi
 
@@ -172,18 +172,18 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
         FuncRow("/y/v2.py", 11, "new", 20, 0.1, 0.1, 0.005),
         # cached: half the calls over the same 10 verifications, each call as dear as before
         FuncRow("/y/v2.py", 15, "normalize", 10, 0.2, 0.2, 0.02)])])
-    fn = {f["name"]: f for f in services.compare_jobs(a, b)["functions"]}
+    fn = {f["name"]: f for f in comparison.compare_jobs(a, b)["functions"]}
     assert fn["normalize"]["verdict"] == "faster" and fn["normalize"]["d_tavg"] == pytest.approx(0)
     assert fn["normalize"]["a"]["per_verification"] == pytest.approx(0.04)
     assert fn["normalize"]["b"]["per_verification"] == pytest.approx(0.02)
     assert fn["lookup"]["verdict"] == "faster" and fn["lookup"]["d_tavg"] == pytest.approx(-0.17)
     assert fn["lookup"]["a"]["share"] == pytest.approx(1.9 / 2.5) and fn["lookup"]["d_ncall"] == 0
     assert fn["old"]["verdict"] == "gone" and fn["new"]["verdict"] == "new" and fn["new"]["d_ncall"] == 20
-    assert services.compare_jobs(a, b)["warning"] == ""
+    assert comparison.compare_jobs(a, b)["warning"] == ""
 
     # a job whose profile sampled nothing: its functions are unknown, not gone, and the answer says why
     c = job_services.create_job(owner=user, dataset=math_dataset(10), endpoint=ep, launch=False)
-    cmp = services.compare_jobs(a, c)
+    cmp = comparison.compare_jobs(a, c)
     assert {f["verdict"] for f in cmp["functions"]} == {"not profiled"} and cmp["b"]["profiled"] == 0
     assert f"job {c.pk} has no profile" in cmp["warning"]
 
@@ -191,7 +191,7 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
     d = job_services.create_job(owner=user, dataset=math_dataset(10), endpoint=ep, launch=False)
     services.record(d.pk, [snap(services.start(d), [FuncRow("/y/v2.py", 15, "normalize", 60, 0.2, 0.2, 0.02)],
                                 verifications=600, profiled=7)])
-    cmp = services.compare_jobs(a, d)
+    cmp = comparison.compare_jobs(a, d)
     assert f"job {d.pk}: 7 of 600" in cmp["warning"] and "budget_pct 100" in cmp["warning"]
     assert f"job {a.pk}:" not in cmp["warning"]  # a: all 10 of its 10 verifications profiled
     assert services.job_profile(d)["few_samples"] and not services.job_profile(a)["few_samples"]
@@ -200,7 +200,7 @@ def test_compare_verdicts(user, math_dataset, sim_endpoint):
     # behind them alike (per-verification figures stay right), and 37 profiled is no longer a thin sample
     services.record(d.pk, [snap(services.start(d), [FuncRow("/y/v2.py", 15, "normalize", 300, 1.0, 1.0, 0.02)],
                                 verifications=300, profiled=30)])
-    cmp = services.compare_jobs(a, d)
+    cmp = comparison.compare_jobs(a, d)
     assert cmp["b"]["verifications"] == 900 and cmp["b"]["profiled"] == 37 and cmp["warning"] == ""
     norm = next(f for f in cmp["functions"] if f["name"] == "normalize")
     assert norm["b"]["ncall"] == 360 and norm["b"]["per_verification"] == pytest.approx(1.2 / 900)

@@ -34,6 +34,7 @@ def _dump() -> str:
         return repr(cursor.fetchall())
 
 
+@pytest.mark.slow
 def test_keys_are_not_in_the_database_and_the_engine_still_sends_them(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=0, jitter=0, seed=0, api_key=KEY)
     mallory = make_user("mallory")

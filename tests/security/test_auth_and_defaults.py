@@ -6,6 +6,7 @@ import os
 import secrets
 import subprocess
 import sys
+import pytest
 from pathlib import Path
 
 from django.test import Client
@@ -54,6 +55,7 @@ def _production(extra_env: dict, *args) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_production_settings_refuse_the_default_secret_key():
     r = _production({}, "check")
     assert r.returncode != 0 and "DJANGO_SECRET_KEY must be set" in r.stderr
@@ -61,6 +63,7 @@ def test_production_settings_refuse_the_default_secret_key():
     assert r.returncode != 0 and "DJANGO_SECRET_KEY must be set" in r.stderr
 
 
+@pytest.mark.slow
 def test_production_settings_pass_check_deploy():
     r = _production({"DJANGO_SECRET_KEY": secrets.token_urlsafe(64)}, "check", "--deploy", "--fail-level", "WARNING")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -80,6 +80,7 @@ def owner_package(path: str) -> str:
 needs_debian = pytest.mark.skipif(not shutil.which("dpkg-query"), reason="dpkg is needed to read Debian packages")
 
 
+@pytest.mark.slow
 @needs_debian
 def test_the_image_installs_every_file_the_sandbox_probe_runs():
     packages = apt_packages()

@@ -29,6 +29,7 @@ def big_job(transactional_db, django_user_model):
     return job, api_token(user)
 
 
+@pytest.mark.slow
 async def test_export_is_streamed_under_asgi(big_job, monkeypatch):
     job, token = big_job
     from controlplane.jobs import export

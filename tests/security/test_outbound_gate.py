@@ -328,6 +328,7 @@ SECRET_BODY = "SECRET-INTERNAL-PAGE-a1b2c3"
 BANNER = b"SSH-2.0-OpenSSH_9.2p1 SECRET-BANNER-d4e5f6\r\n"
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_non_staff_see_status_and_class_never_bodies_or_banners(mallory, staff, simulator, listeners, eager_tasks):
     from controlplane.endpoints.services import check_health

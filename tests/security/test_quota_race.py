@@ -48,6 +48,7 @@ def quota(settings):
     settings.CELERY_TASK_ALWAYS_EAGER = False
 
 
+@pytest.mark.slow
 def test_thirty_concurrent_job_posts_get_at_most_the_quota(quota):
     mallory = make_user("mallory")
     ds, ep = make_dataset(mallory, n=2), make_endpoint(mallory)
@@ -59,6 +60,7 @@ def test_thirty_concurrent_job_posts_get_at_most_the_quota(quota):
     assert codes.count(400) == CONCURRENT - QUOTA
 
 
+@pytest.mark.slow
 def test_concurrent_sweeps_and_jobs_share_the_quota(quota):
     from controlplane.diagnostics.models import ParallelismSweep
 

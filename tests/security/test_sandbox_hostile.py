@@ -92,6 +92,7 @@ def _secret_db(tmp_var: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_hostile_program_reads_and_reaches_nothing_and_fills_no_memory(monkeypatch, settings):
     monkeypatch.setenv("WORKER_SECRET_FOR_TEST", "s3cret-DJANGO-KEY")
@@ -171,6 +172,7 @@ def test_without_namespaces_the_code_verifier_refuses_unless_the_operator_opts_i
     assert out["fields"]["sandbox"].startswith("rlimits only (VERIFIER_SANDBOX=rlimits"), out
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_job_page_says_when_programs_ran_without_namespaces(monkeypatch, simulator, mallory):
     from django.test import Client

@@ -95,6 +95,7 @@ def test_the_operator_sets_the_maxima(api, mallory, monkeypatch, settings):
     assert r.status_code == 400 and "at most 120" in " ".join(r.json()["verifier_options"])
 
 
+@pytest.mark.slow
 def test_a_worker_clamps_options_stored_before_the_maximum_and_the_program_is_stopped(monkeypatch):
     """A job stored with wall_s 1e9 (before the maximum existed): the worker's executor holds it to the
     maximum, so a program that sleeps forever is killed at the operator's wall limit (real process)."""

@@ -1,6 +1,7 @@
 """Adaptive concurrency: the controller's logic against small closed-loop models of a server (capacity,
 rate limit), then a real run on the simulator through the engine's Control and Sink protocols."""
 import random
+import pytest
 
 
 from workers.adaptive import AdaptiveConcurrency
@@ -98,6 +99,7 @@ def test_control_merges_inner_pause_and_cancel():
     assert ctl.poll().parallelism == 12
 
 
+@pytest.mark.slow
 async def test_adaptive_run_on_simulator_climbs_and_records_decisions(simulator_factory):
     sim = simulator_factory(seed=0, ttft_ms=60, itl_ms=8, jitter=0.05, max_num_seqs=32, output_len_min=30, output_len_max=30)
     spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model, max_retries=1), parallelism=4,

@@ -74,6 +74,7 @@ def test_4xx_is_not_retried(simulator_factory):
     assert not r.ok and r.status == 400 and r.attempts == 1
 
 
+@pytest.mark.slow
 def test_a_replica_that_does_not_answer_is_reported_not_waited_on(simulator_factory):
     good, stuck = simulator_factory(), simulator_factory()
     stuck.configure(admin_faults={"pause": "stall", "health": "stall"})

@@ -8,6 +8,7 @@ import asyncio
 
 import aiohttp
 import yaml
+import pytest
 from aiohttp import web
 
 from workers.diagnosis import AGENT, MODEL, diagnose_ticks
@@ -93,6 +94,7 @@ def evidence(d) -> dict:
     return {i.name: i.value for i in d.evidence_items}
 
 
+@pytest.mark.slow
 async def test_slow_agent_is_blamed_with_agent_advice(simulator_factory):
     sim = simulator_factory(seed=3, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=8, output_len_max=8)
     ticks, d = await collect_and_diagnose(sim, own_ms=150)
@@ -105,6 +107,7 @@ async def test_slow_agent_is_blamed_with_agent_advice(simulator_factory):
     assert ticks[-1]["extra"]["agent_timing"]["rollouts"] == 48
 
 
+@pytest.mark.slow
 async def test_slow_model_behind_the_agent_is_the_models(simulator_factory):
     sim = simulator_factory(seed=4, ttft_ms=150, itl_ms=2, jitter=0, output_len_min=8, output_len_max=8)
     ticks, d = await collect_and_diagnose(sim, own_ms=0)

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import pytest
 
 from workers import cli_start
 from workers.engine.verify_pool import VerifyBatcher, VerifyPool
@@ -44,6 +45,7 @@ def test_an_engine_run_does_not_wait_for_a_pool_being_warmed():
         pool.shutdown()
 
 
+@pytest.mark.slow
 def test_the_command_still_exits_with_its_status_and_message():
     p = subprocess.run([sys.executable, "manage.py", "collect_rollouts", "+no_such_key=1"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)

@@ -2,6 +2,7 @@
 into one bottleneck on purpose, then the diagnosis must name it and give a first step whose figure fits
 the server (a parallelism figure never above what the server runs at once, summed over replicas)."""
 import socket
+import pytest
 
 from workers.diagnosis import MODEL, NETWORK, rate_limit_parallelism
 from workers.engine.types import CollectionSpec, EndpointSpec
@@ -27,6 +28,7 @@ def dead_url():
     return f"http://127.0.0.1:{port}"  # nothing listens there any more
 
 
+@pytest.mark.slow
 async def test_saturated_slots_two_replicas(simulator_factory):
     """Every slot busy (max_num_seqs 4 on each of 2 replicas), KV cache nearly empty: more replicas or more
     slots, never KV tuning; parallelism figures <= 4 x 2."""
@@ -47,6 +49,7 @@ async def test_saturated_slots_two_replicas(simulator_factory):
     assert "gpu_memory_utilization" not in text and "max_model_len from" not in text
 
 
+@pytest.mark.slow
 async def test_saturated_kv_cache_with_preemptions(simulator_factory):
     """A KV cache of 600 tokens (2 requests of max_model_len 300): preemptions; the server's own
     gpu_memory_utilization (0.9) and max_model_len (300) appear in the advice."""
@@ -66,6 +69,7 @@ async def test_saturated_kv_cache_with_preemptions(simulator_factory):
     assert all(p <= slots for p in parallelism_figures(d))
 
 
+@pytest.mark.slow
 async def test_429_storm(simulator_factory):
     """30 % of requests answered 429: parallelism <= RPM/60 x the measured latency, within the server."""
     sim = simulator_factory(seed=12, ttft_ms=20, itl_ms=2, jitter=0.05, fault_rates={"429": 0.3}, retry_after_s=0)
@@ -79,6 +83,7 @@ async def test_429_storm(simulator_factory):
     assert 1 <= first.value <= slots
 
 
+@pytest.mark.slow
 async def test_rpm_window(simulator_factory):
     """A hosted API's 120 requests/minute: parallelism = floor(120/60 x measured latency)."""
     sim = simulator_factory(seed=13, ttft_ms=200, itl_ms=10, jitter=0.05, output_len_min=10, output_len_max=10,
@@ -93,6 +98,7 @@ async def test_rpm_window(simulator_factory):
     assert first.value == rate_limit_parallelism(120, latency)
 
 
+@pytest.mark.slow
 async def test_dead_replica_is_named(simulator_factory):
     sim = simulator_factory(seed=14, ttft_ms=10, itl_ms=2, jitter=0.05)
     dead = dead_url()
@@ -103,6 +109,7 @@ async def test_dead_replica_is_named(simulator_factory):
     assert first.setting == "replicas" and first.value == dead and dead in first.action, first
 
 
+@pytest.mark.slow
 async def test_hung_replica_is_named(simulator_factory):
     sims = [simulator_factory(seed=15, ttft_ms=50, itl_ms=5, jitter=0.05),
             simulator_factory(seed=16, ttft_ms=5, itl_ms=1, fault_rates={"stall": 1.0})]
@@ -113,6 +120,7 @@ async def test_hung_replica_is_named(simulator_factory):
     assert first.setting == "replicas" and first.value == sims[1].url, first
 
 
+@pytest.mark.slow
 async def test_outputs_at_the_token_limit(simulator_factory):
     """Every output stops at max_output_tokens (finish reason `length`): a truncation warning, never
     'reduce max_output_tokens'."""
@@ -130,6 +138,7 @@ async def test_outputs_at_the_token_limit(simulator_factory):
     assert first.setting == "num_samples_in_parallel" and 4 < first.value <= slots and "Bound:" in first.why
 
 
+@pytest.mark.slow
 async def test_replica_out_of_rotation_is_named_without_server_metrics(simulator_factory):
     """A hosted endpoint (no /metrics) with one dead replica of two: the breaker takes it out after its first
     refusals, so it gets almost no attempts and error counts alone would not name it; the breaker's state does."""

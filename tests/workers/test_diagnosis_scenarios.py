@@ -2,6 +2,7 @@
 diagnosed from the telemetry the run produced. Each run takes a few seconds."""
 
 
+import pytest
 from workers.diagnosis import CONTROL_PLANE, MODEL, NETWORK, VERIFICATION, diagnose_ticks
 from workers.diagnosis.scenarios import LoopBlockingSink, rows_math, task_items, use_scenario_verify_pool
 from workers.engine.runner import run_collection
@@ -32,6 +33,7 @@ def explain(d):
     return f"{d.verdict} {d.scores} held={[(i.name, i.value) for i in d.held()]}"
 
 
+@pytest.mark.slow
 async def test_model_bound_small_capacity_long_generation(simulator_factory):
     sim = simulator_factory(seed=1, ttft_ms=40, itl_ms=8, jitter=0.05, max_num_seqs=8, output_len_min=40, output_len_max=40)
     spec = spec_for(sim, parallelism=32, verifier="exact", responses_create_params={"max_output_tokens": 40})
@@ -48,6 +50,7 @@ async def test_model_bound_small_capacity_long_generation(simulator_factory):
     assert [r.value for r in d.recommendations if r.setting == "num_samples_in_parallel"] == [8]
 
 
+@pytest.mark.slow
 async def test_model_bound_with_room_says_raise_parallelism(simulator_factory):
     sim = simulator_factory(seed=2, ttft_ms=40, itl_ms=8, jitter=0.05, max_num_seqs=256, output_len_min=40, output_len_max=40)
     spec = spec_for(sim, parallelism=4, verifier="exact", responses_create_params={"max_output_tokens": 40})
@@ -57,6 +60,7 @@ async def test_model_bound_with_room_says_raise_parallelism(simulator_factory):
     assert d.recommendations[0].setting == "num_samples_in_parallel" and d.recommendations[0].value == 8
 
 
+@pytest.mark.slow
 async def test_rate_limited_rpm_mode(simulator_factory):
     sim = simulator_factory(seed=3, ttft_ms=30, itl_ms=2, jitter=0.05, output_len_min=10, output_len_max=10,
                             rpm_limit=120, retry_after_s=1)
@@ -70,6 +74,7 @@ async def test_rate_limited_rpm_mode(simulator_factory):
     assert rec.value >= 1
 
 
+@pytest.mark.slow
 async def test_verification_bound_slow_verifier_fast_model(simulator_factory):
     use_scenario_verify_pool(1)
     sim = simulator_factory(seed=4, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=8, output_len_max=8)
@@ -82,6 +87,7 @@ async def test_verification_bound_slow_verifier_fast_model(simulator_factory):
     assert "lru_cache" in text and "verify_mode = fast" in text and "deferred" in text
 
 
+@pytest.mark.slow
 async def test_control_plane_bound_sink_blocks_the_loop(simulator_factory):
     sim = simulator_factory(seed=5, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=8, output_len_max=8)
     spec = spec_for(sim, parallelism=32, verifier="none")
@@ -92,6 +98,7 @@ async def test_control_plane_bound_sink_blocks_the_loop(simulator_factory):
     assert "event loop" in d.recommendations[0].action
 
 
+@pytest.mark.slow
 async def test_verification_bound_verifier_blocking_the_loop(simulator_factory):
     sim = simulator_factory(seed=6, ttft_ms=5, itl_ms=1, jitter=0, output_len_min=8, output_len_max=8)
     spec = spec_for(sim, parallelism=16, verifier="burn_inline", verifier_options={"burn_ms": 25})

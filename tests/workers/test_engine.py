@@ -79,6 +79,7 @@ def spec_for(sim, **kw):
     return CollectionSpec(endpoint=EndpointSpec(base_urls=base_urls, model=sim.model, **ep_kw), **kw)
 
 
+@pytest.mark.slow
 async def test_happy_path_streaming_math_rewards_and_output_shape(simulator):
     sink = ListSink()
     spec = spec_for(simulator, parallelism=8, verifier="math", verify_processes=1,
@@ -115,6 +116,7 @@ async def test_happy_path_streaming_math_rewards_and_output_shape(simulator):
     assert "temperature" not in next(math_rows(1))[1]["responses_create_params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["chat_completions", "completions", "responses"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_every_flavor_plain_and_streaming(simulator, flavor, stream):
@@ -135,6 +137,7 @@ async def test_every_flavor_plain_and_streaming(simulator, flavor, stream):
             assert r.generation_ms is None
 
 
+@pytest.mark.slow
 async def test_ttft_and_generation_time_are_measured_when_streaming(simulator_factory):
     sim = simulator_factory(ttft_ms=150, itl_ms=10, jitter=0, seed=1)
     sink = ListSink()
@@ -247,6 +250,7 @@ async def test_async_iterable_and_sync_wrapper(simulator):
     assert result["s"].completed == 5
 
 
+@pytest.mark.slow
 async def test_client_side_rpm_pacing(simulator):
     sink = ListSink()
     spec = spec_for(simulator, rpm_limit=1200, parallelism=16, verifier="none")  # 20/s, bursts of 20
@@ -258,6 +262,7 @@ async def test_client_side_rpm_pacing(simulator):
     assert max(r.queue_ms for r in sink.results) >= 800
 
 
+@pytest.mark.slow
 def test_cli_writes_nemo_gym_outputs(simulator, tmp_path):
     import json
     import subprocess

@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 import tracemalloc
+import pytest
 
 from workers.engine.materialize import materialize
 from workers.engine.runner import run_collection
@@ -60,6 +61,7 @@ async def test_cancel_stops_in_flight_requests_within_a_second(simulator_factory
     assert _running(sim) == 0
 
 
+@pytest.mark.slow
 async def test_pause_lets_in_flight_finish_takes_nothing_new_and_reports_paused(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=20, jitter=0)  # 30 tokens: ~0.6 s per request
     control = ScriptedControl().at(0.3, action="pause")
@@ -75,6 +77,7 @@ async def test_pause_lets_in_flight_finish_takes_nothing_new_and_reports_paused(
     assert sorted(r.task_index for r in sink.results) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 async def test_pause_grace_drops_requests_that_take_too_long(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=50, jitter=0)  # 10 s per request
     control = ScriptedControl().at(0.2, action="pause")
@@ -86,6 +89,7 @@ async def test_pause_grace_drops_requests_that_take_too_long(simulator_factory):
     assert sink.results == []
 
 
+@pytest.mark.slow
 async def test_in_flight_never_exceeds_parallelism(simulator_factory):
     sim = simulator_factory(ttft_ms=30, itl_ms=1, jitter=0)
     sink = ListSink()
@@ -99,6 +103,7 @@ async def test_in_flight_never_exceeds_parallelism(simulator_factory):
     assert all(t.in_flight <= 5 and t.parallelism == 5 for t in sink.ticks)
 
 
+@pytest.mark.slow
 async def test_parallelism_changes_at_runtime(simulator_factory):
     sim = simulator_factory(ttft_ms=40, itl_ms=1, jitter=0)
     control = ScriptedControl().at(0.0, parallelism=2).at(1.0, parallelism=8).at(2.0, parallelism=3)
@@ -121,6 +126,7 @@ async def test_parallelism_changes_at_runtime(simulator_factory):
     assert {t.parallelism for t in sink.ticks} >= {2, 8, 3}
 
 
+@pytest.mark.slow
 async def test_bounded_residency_with_a_big_generator(simulator):
     pulled = 0
     emitted = 0
@@ -149,6 +155,7 @@ async def test_bounded_residency_with_a_big_generator(simulator):
     assert pulled <= emitted + 16 + 8
 
 
+@pytest.mark.slow
 async def test_memory_is_flat_across_dataset_sizes(simulator):
     """tracemalloc peak of a whole run: 5x more tasks must not need noticeably more memory.
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+import pytest
 
 from workers.engine.materialize import materialize
 from workers.engine.pacing import backoff_delay, parse_retry_after
@@ -12,6 +13,7 @@ from workers.engine.types import FailureClass
 from .test_engine import ListSink, math_rows, spec_for
 
 
+@pytest.mark.slow
 async def test_429_is_retried_honouring_retry_after(simulator):
     simulator.configure(fault_rates={"429": 0.4}, retry_after_s=1)
     sink = ListSink()
@@ -60,6 +62,7 @@ async def test_400_is_not_retried(simulator):
     assert all(r.failure_class == FailureClass.HTTP_4XX and r.attempts == 1 for r in sink.results)
 
 
+@pytest.mark.slow
 async def test_stalled_server_is_cut_off_by_the_timeout(simulator):
     simulator.configure(fault_rates={"stall": 1.0})
     sink = ListSink()

@@ -20,6 +20,7 @@ class LoopSink(ListSink):
         await super().rollout(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_collection_on_each_loop_stores_every_row(simulator, loop):
     pytest.importorskip("uvloop") if loop == "uvloop" else None

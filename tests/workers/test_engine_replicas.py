@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import pytest
 from collections import Counter, defaultdict
 
 from tests.fixtures_simulator import start_simulator
@@ -39,6 +40,7 @@ def assert_exactly_once(sink, n_tasks, n_repeats):
     assert set(pairs) == {(t, k) for t in range(n_tasks) for k in range(n_repeats)}
 
 
+@pytest.mark.slow
 async def test_one_dead_replica_of_two_fails_no_rollout(simulator_factory):
     live = simulator_factory(ttft_ms=5, itl_ms=1, jitter=0, seed=1)
     dead = dead_url()
@@ -57,6 +59,7 @@ async def test_one_dead_replica_of_two_fails_no_rollout(simulator_factory):
     assert all(r.replica == live.url for r in sink.results)
 
 
+@pytest.mark.slow
 async def test_repeats_of_a_task_land_on_one_replica_and_both_share_the_load(simulator_factory):
     a = simulator_factory(ttft_ms=5, itl_ms=1, jitter=0, seed=2)
     b = simulator_factory(ttft_ms=5, itl_ms=1, jitter=0, seed=3)
@@ -125,6 +128,7 @@ async def _run_with_fault(spec, n_tasks, n_repeats, when, fault):
     return summary, sink
 
 
+@pytest.mark.slow
 async def test_replica_that_dies_and_comes_back_returns_to_rotation(simulator_factory):
     a = simulator_factory(ttft_ms=40, itl_ms=1, jitter=0, seed=4)
     b = simulator_factory(ttft_ms=40, itl_ms=1, jitter=0, seed=5)
@@ -158,6 +162,7 @@ async def test_replica_that_dies_and_comes_back_returns_to_rotation(simulator_fa
             state["b2"].stop()
 
 
+@pytest.mark.slow
 async def test_replica_that_hangs_is_cut_and_the_run_finishes_on_the_other(simulator_factory):
     a = simulator_factory(ttft_ms=20, itl_ms=1, jitter=0, seed=7)
     b = simulator_factory(ttft_ms=20, itl_ms=1, jitter=0, seed=8)
@@ -185,6 +190,7 @@ async def test_replica_that_hangs_is_cut_and_the_run_finishes_on_the_other(simul
     assert {r.replica for r in sink.results} == {a.url, b.url}
 
 
+@pytest.mark.slow
 async def test_a_hung_replica_is_cut_by_the_request_timeout_without_probes(simulator_factory):
     """With probes slower than the request timeout, the timeouts themselves take the replica out (3 in a row)."""
     a = simulator_factory(ttft_ms=20, itl_ms=1, jitter=0, seed=9)
@@ -223,6 +229,7 @@ def test_a_replica_taken_out_stays_out_for_the_next_runs_of_the_worker_until_a_p
         rmod.forget_shared_health()
 
 
+@pytest.mark.slow
 async def test_a_single_url_run_reports_its_replica_table(simulator_factory):
     # the endpoint page's replica table and its health come from these ticks: a single URL is a replica too
     live = simulator_factory(ttft_ms=5, itl_ms=1, jitter=0, seed=1)

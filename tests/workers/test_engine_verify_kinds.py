@@ -2,6 +2,7 @@
 verification pool, queue and cache."""
 from __future__ import annotations
 
+import pytest
 from workers.diagnosis.evidence import build_evidence
 from workers.diagnosis.classifier import diagnose
 from workers.engine.runner import run_collection
@@ -17,6 +18,7 @@ def _items(n_tasks, repeats):
     return [TaskItem(t, r, rows[t]) for t in range(n_tasks) for r in range(repeats)]
 
 
+@pytest.mark.slow
 async def test_pooled_verifier_with_cache_feeds_the_diagnosis(simulator_factory):
     sim = simulator_factory(seed=4, math_accuracy=0.5)
     sink = ListSink()
@@ -39,6 +41,7 @@ async def test_pooled_verifier_with_cache_feeds_the_diagnosis(simulator_factory)
     assert {"verify_pool_utilization", "verify_queue_mean", "verify_cache_hit_rate"} <= names
 
 
+@pytest.mark.slow
 async def test_io_verifier_runs_in_threads_and_cache_off_computes_everything(simulator_factory):
     sim = simulator_factory(seed=4)
     sink = ListSink()

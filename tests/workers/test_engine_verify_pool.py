@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import pytest
 
 from workers.engine.materialize import materialize
 from workers.profiling import core as profiling_core
@@ -23,6 +24,7 @@ def test_verify_batch_reports_each_item_in_order():
     assert out[1][1] == "ValueError" and "nope" in out[1][2]
 
 
+@pytest.mark.slow
 async def test_batcher_matches_results_to_rollouts_and_batches_under_load(monkeypatch):
     # batches go out unwrapped: no profiling session, nor the grace period after one that ended earlier in
     # this process (its wrapped calls carry more arguments than the counting submit below expects)
@@ -51,6 +53,7 @@ async def test_batcher_matches_results_to_rollouts_and_batches_under_load(monkey
     assert batcher.inflight == 0 and not batcher.pending
 
 
+@pytest.mark.slow
 async def test_pool_is_warm_before_the_first_request_and_verify_ms_is_clean(simulator):
     shutdown_verify_pool()  # a cold pool: processes start and import sympy / math-verify
     sink = ListSink()
@@ -77,6 +80,7 @@ async def test_cancel_while_the_pool_warms_stops_promptly(simulator):
     assert summary.cancelled and not sink.results and sink.closed
 
 
+@pytest.mark.slow
 async def test_a_run_given_its_own_pool_uses_it_and_leaves_the_shared_one_alone(simulator):
     shutdown_verify_pool()
     own = VerifyPool()

@@ -3,6 +3,7 @@ import ast
 import asyncio
 import subprocess
 import sys
+import pytest
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class _ListSink:
         self.closed = True
 
 
+@pytest.mark.slow
 def test_engine_modules_never_import_the_nemo_gym_package():
     for path in (ROOT / "workers" / "engine").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

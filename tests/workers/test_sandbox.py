@@ -27,6 +27,7 @@ def run(program, row=ADD, **options):
     return verify_row("code", row, code(program), {**FAST, **options})
 
 
+@pytest.mark.slow
 def test_correct_and_wrong_programs_are_scored_right():
     ok = run("a, b = map(int, input().split())\nprint(a + b)")
     assert ok.reward == 1.0 and ok.fields["tests_passed"] == 2 and ok.fields["failure_reason"] == ""
@@ -36,6 +37,7 @@ def test_correct_and_wrong_programs_are_scored_right():
     assert half.reward == 0.5 and half.fields["tests_passed"] == 1
 
 
+@pytest.mark.slow
 def test_assertion_style_tests():
     row = {"verifier_metadata": {"unit_tests": {"asserts": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}}}
     assert run("def add(a, b):\n    return a + b", row).reward == 1.0
@@ -47,6 +49,7 @@ def _worker_alive_check():
     assert verify_row("code", ADD, code("print(sum(map(int, input().split())))"), FAST).reward == 1.0
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_fork_bomb_fails_its_test_and_leaves_no_process():
     t = time.monotonic()
@@ -57,23 +60,27 @@ def test_fork_bomb_fails_its_test_and_leaves_no_process():
     _worker_alive_check()
 
 
+@pytest.mark.slow
 def test_infinite_loop_is_stopped():
     res = run("while True:\n    pass")
     assert res.reward == 0.0
     assert "CPU-time limit exceeded" in res.fields["failure_reason"] or "wall-clock limit exceeded" in res.fields["failure_reason"]
 
 
+@pytest.mark.slow
 def test_memory_bomb_is_refused():
     res = run("x = bytearray(8 * 1024 ** 3)\nprint(len(x))")
     assert res.reward == 0.0 and "memory limit exceeded" in res.fields["failure_reason"]
     _worker_alive_check()
 
 
+@pytest.mark.slow
 def test_output_flood_is_cut():
     res = run("while True:\n    print('x' * 1000)", output_bytes=100_000)
     assert res.reward == 0.0 and "output-size limit exceeded" in res.fields["failure_reason"]
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_socket_cannot_reach_anything():
     server = socket.socket()
@@ -88,6 +95,7 @@ def test_socket_cannot_reach_anything():
                                   or "unreachable" in res.fields["failure_reason"])
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_project_files_are_invisible():
     settings = REPO / "controlplane" / "settings.py"
@@ -102,6 +110,7 @@ def test_project_files_are_invisible():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_environment_secrets_are_invisible(monkeypatch):
     monkeypatch.setenv("VERIFIER_TEST_SECRET", "hunter2-do-not-leak")
     program = ("import os, sys\nsecret = os.environ.get('VERIFIER_TEST_SECRET')\n"
@@ -114,6 +123,7 @@ def test_environment_secrets_are_invisible(monkeypatch):
     assert res.reward == 0.0 and "KeyError" in res.fields["failure_reason"]
 
 
+@pytest.mark.slow
 def test_reports_the_sandbox_in_use():
     res = run("print(3)")
     assert res.fields["sandbox"] == ("bubblewrap" if NS else f"rlimits only ({sandbox.mode()[1]})")
@@ -140,6 +150,7 @@ def _temp_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("verify-*")}
 
 
+@pytest.mark.slow
 def test_500_programs_32_in_parallel_leave_nothing_behind():
     before_dirs = _temp_dirs()
     programs = []

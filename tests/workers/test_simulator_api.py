@@ -153,6 +153,7 @@ async def test_responses_api_object_and_stream(simulator):
     assert events[-1]["response"]["usage"]["output_tokens"] == 7
 
 
+@pytest.mark.slow
 async def test_sampled_length_when_no_max_tokens(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=0, output_len_min=5, output_len_max=8, seed=3)
     lengths = set()
@@ -175,6 +176,7 @@ async def test_tokenize_agrees_with_usage(simulator):
     assert tok2["count"] == 4  # Hello , world !
 
 
+@pytest.mark.slow
 async def test_api_key_required_on_v1_only(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=0, api_key="s3cret")
     async with aiohttp.ClientSession() as s:
@@ -205,6 +207,7 @@ async def test_wrong_model_bad_body_and_n(simulator):
             assert r.status == 400
 
 
+@pytest.mark.slow
 async def test_real_context_length_error(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=0, max_model_len=64)
     async with aiohttp.ClientSession() as s:

@@ -22,6 +22,7 @@ def run_cli(*args, timeout=20):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_help_explains_every_knob():
     from workers.simulator.config import SimConfig
     import dataclasses
@@ -36,6 +37,7 @@ def test_help_explains_every_knob():
         assert word in text, word
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--ttft-ms", "-1"], "ttft_ms must be >= 0"),
     (["--itl-ms", "-0.5"], "itl_ms must be >= 0"),
@@ -88,6 +90,7 @@ async def _outputs(sim, prompts, **extra):
     return out
 
 
+@pytest.mark.slow
 async def test_determinism_under_seed(simulator_factory):
     prompts = ["alpha", "beta", "alpha", "What is 3 + 4?", "alpha"]
     a = simulator_factory(ttft_ms=0, itl_ms=0, seed=11)
@@ -105,6 +108,7 @@ async def test_determinism_under_seed(simulator_factory):
     assert seeded[0] == seeded[1]
 
 
+@pytest.mark.slow
 async def test_math_accuracy_rate(simulator_factory):
     sim = simulator_factory(ttft_ms=0, itl_ms=0, seed=1, math_accuracy=0.7)
     n, right = 300, 0
@@ -130,6 +134,7 @@ async def test_math_accuracy_rate(simulator_factory):
         assert got == (3 if want else 0)
 
 
+@pytest.mark.slow
 async def test_demo_dataset_is_deterministic_and_answered(simulator_factory, tmp_path):
     out = tmp_path / "m.jsonl"
     subprocess.run([sys.executable, "scripts/make_math_dataset.py", "--n", "200", "--seed", "0", "--out", str(out)],

@@ -32,6 +32,7 @@ async def chat(s, sim, body=None, headers=None):
         return r.status, await r.json(), r.headers
 
 
+@pytest.mark.slow
 async def test_throughput_at_twice_capacity_is_capacity_over_latency(simulator_factory):
     cap, latency_s, n = 4, 0.1, 24
     sim = simulator_factory(ttft_ms=latency_s * 1000, itl_ms=0, jitter=0, max_num_seqs=cap)
@@ -72,6 +73,7 @@ async def test_metrics_names_present(simulator):
     assert 'vllm:request_success_total{engine="0",model_name="sim-model",finished_reason="stop"}' in text
 
 
+@pytest.mark.slow
 async def test_metrics_move_under_load(simulator_factory):
     sim = simulator_factory(ttft_ms=400, itl_ms=0, jitter=0, max_num_seqs=4, kv_cache_tokens=1000)
     before = scrape(sim)
@@ -114,6 +116,7 @@ async def test_kv_overflow_preempts_and_still_completes(simulator_factory):
     assert val(m, "vllm:kv_cache_usage_perc") == 0
 
 
+@pytest.mark.slow
 async def test_load_factor_slows_under_load(simulator_factory):
     sim = simulator_factory(ttft_ms=50, itl_ms=0, jitter=0, max_num_seqs=8, load_factor=3.0)
     async with aiohttp.ClientSession() as s:
@@ -149,6 +152,7 @@ async def test_update_weights_bumps_version_and_takes_time(simulator_factory):
             assert (await r.json())["metadata"]["weight_version"] == "42"
 
 
+@pytest.mark.slow
 async def test_pause_keep_holds_and_resume_releases(simulator_factory):
     sim = simulator_factory(ttft_ms=50, itl_ms=0, jitter=0)
     async with aiohttp.ClientSession() as s:
@@ -168,6 +172,7 @@ async def test_pause_keep_holds_and_resume_releases(simulator_factory):
             assert (await r.json())["is_paused"] is False
 
 
+@pytest.mark.slow
 async def test_pause_keep_freezes_in_flight_generation(simulator_factory):
     sim = simulator_factory(ttft_ms=10, itl_ms=20, jitter=0)
     async with aiohttp.ClientSession() as s:
@@ -186,6 +191,7 @@ async def test_pause_keep_freezes_in_flight_generation(simulator_factory):
     assert time.perf_counter() - t0 >= 0.75  # ~400 ms of generation + the ~400 ms freeze
 
 
+@pytest.mark.slow
 async def test_pause_abort_aborts_in_flight(simulator_factory):
     sim = simulator_factory(ttft_ms=10, itl_ms=50, jitter=0)
     async with aiohttp.ClientSession() as s:
@@ -203,6 +209,7 @@ async def test_pause_abort_aborts_in_flight(simulator_factory):
     assert val(scrape(sim), "vllm:request_success_total", finished_reason="abort") == 1
 
 
+@pytest.mark.slow
 async def test_pause_wait_returns_after_in_flight_finish(simulator_factory):
     sim = simulator_factory(ttft_ms=400, itl_ms=0, jitter=0)
     async with aiohttp.ClientSession() as s:
@@ -227,6 +234,7 @@ async def test_pause_wait_returns_after_in_flight_finish(simulator_factory):
         assert st == 200
 
 
+@pytest.mark.slow
 async def test_client_disconnect_aborts_and_frees_the_slot(simulator_factory):
     sim = simulator_factory(ttft_ms=10, itl_ms=20, jitter=0, max_num_seqs=1)
     async with aiohttp.ClientSession() as s:

@@ -151,6 +151,7 @@ async def test_tpm_limit(simulator_factory):
     assert statuses == [200, 200, 429]
 
 
+@pytest.mark.slow
 async def test_queue_full_429(simulator_factory):
     sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, max_num_seqs=1, max_queue=1, retry_after_s=3)
     async with aiohttp.ClientSession() as s:
@@ -178,6 +179,7 @@ async def test_unhealthy(simulator):
             assert r.status == 200
 
 
+@pytest.mark.slow
 async def test_hang_holds_every_route_but_admin_config_until_cleared(simulator):
     simulator.configure(hang=True)
     short = aiohttp.ClientTimeout(total=0.5)

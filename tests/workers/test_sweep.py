@@ -45,6 +45,7 @@ def test_middle_rate_leaves_out_ramp_and_tail():
     assert middle_rate(t, 0.0) == pytest.approx(100, rel=0.05)
 
 
+@pytest.mark.slow
 async def test_sweep_on_simulator_capacity_64_recommends_within_one_step(simulator_factory):
     # 64 sequences at once, ~0.8 s per request: the curve rises until 64 in flight, then requests only queue
     sim = simulator_factory(seed=0, ttft_ms=160, itl_ms=20, jitter=0.05, max_num_seqs=64, output_len_min=32, output_len_max=32)
@@ -83,6 +84,7 @@ def test_level_rate_leaves_out_start_up():
     assert level_rate([1.0], 0.0, 1, 1) == pytest.approx(1.0)  # one wave: start -> last completion
 
 
+@pytest.mark.slow
 async def test_sweep_doubles_from_one_to_two_on_a_server_with_room(simulator_factory):
     """A server with room (256 slots, flat latency): parallelism 2 collects twice as fast as 1, within
     10 %; the first point is not slowed by start-up."""

@@ -137,6 +137,7 @@ def test_gpu_absent_gracefully():
     g.close()
 
 
+@pytest.mark.slow
 def test_process_sampler_sees_children_cpu():
     import subprocess
     import sys
@@ -168,6 +169,7 @@ async def test_loop_lag_detects_a_blocked_loop():
     assert blocked["max_ms"] > calm["p50_ms"] + 150
 
 
+@pytest.mark.slow
 async def test_scrape_simulator_metrics_over_http(simulator_factory):
     sim = simulator_factory(seed=0, ttft_ms=40, itl_ms=2, jitter=0, max_num_seqs=4, output_len_min=10, output_len_max=10)
     scraper = VllmScraper([sim.base_url], timeout_s=2)
@@ -211,6 +213,7 @@ async def test_scraper_gives_up_on_endpoint_without_metrics():
     assert r3.get("unsupported")
 
 
+@pytest.mark.slow
 async def test_telemetry_sink_rides_along_with_a_run(simulator_factory):
     sim = simulator_factory(seed=0, ttft_ms=20, itl_ms=2, jitter=0, max_num_seqs=8, output_len_min=8, output_len_max=8)
     spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[sim.url], model=sim.model), parallelism=8, verifier="exact",
@@ -263,6 +266,7 @@ def test_capacity_from_real_vllm_cache_config_info():
     assert two.capacity["gpu_memory_utilization"] == 0.92 and two.capacity["max_model_len"] == 512
 
 
+@pytest.mark.slow
 async def test_first_scrape_is_a_baseline_and_a_dead_replica_is_named(simulator_factory):
     """A server that served requests before the job: the first scrape carries no histogram (its counts
     cover the server's life); the next one only what happened since. A replica that does not answer is named."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import pytest
 
 from workers.diagnosis.scenarios import rows_math, task_items
 from workers.engine.runner import run_collection_sync
@@ -27,6 +28,7 @@ class Sink:
         pass
 
 
+@pytest.mark.slow
 def test_off_never_imports_opentelemetry(simulator):
     code = textwrap.dedent(f"""
         import sys
@@ -48,6 +50,7 @@ def test_off_never_imports_opentelemetry(simulator):
     assert run_tracer(None) is None and run_tracer(TraceConfig(mode="otlp", endpoint="")) is None
 
 
+@pytest.mark.slow
 def test_a_dead_collector_costs_at_most_the_final_flush(simulator):
     sink = Sink()
     spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[simulator.url], model=simulator.model), parallelism=8,

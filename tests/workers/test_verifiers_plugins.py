@@ -84,6 +84,7 @@ def _judge_row(q="What is 2 + 3?"):
     return {"question": q, "expected_answer": "5", "responses_create_params": {"input": q}}
 
 
+@pytest.mark.slow
 async def test_judge_against_the_simulator_parses_verdicts(simulator_factory):
     sim = simulator_factory(math_accuracy=1.0, seed=1)
     # the simulator answers arithmetic with \boxed{N}: "0 + 1" -> verdict 1, "0 + 0" -> verdict 0
@@ -106,6 +107,7 @@ async def test_judge_against_the_simulator_parses_verdicts(simulator_factory):
         await bad.aclose()
 
 
+@pytest.mark.slow
 async def test_judge_retries_faults_times_out_and_keeps_its_own_concurrency(simulator_factory):
     sim = simulator_factory(math_accuracy=1.0, seed=2, ttft_ms=150, fault_rates={"500": 0.3})
     opts = {"base_url": sim.url, "model": sim.model, "prompt_template": "{response} What is 0 + 1?",

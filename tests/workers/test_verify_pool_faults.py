@@ -30,6 +30,7 @@ def _rows(n):
                   "crash_verifier": i in CRASHING}
 
 
+@pytest.mark.slow
 async def test_a_verifier_that_kills_its_process_fails_only_its_rows_and_the_job_goes_on(simulator):
     pool = VerifyPool()
     try:
@@ -72,6 +73,7 @@ def _descendants(pid):
     return psutil.Process(pid).children(recursive=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_sigkilled_pool_owner_leaves_no_pool_process_behind(tmp_path):
     script = tmp_path / "owner.py"

@@ -4,7 +4,7 @@ Shape of a run
 --------------
 * One session for the whole run (connector limit sized to parallelism), made by the outbound gate
   (workers.outbound.gated_session: allow-list, checked and pinned addresses, no redirects, capped reads).
-* A feeder coroutine pulls TaskItems lazily from the given (async) iterable into a queue, never
+* A feeder coroutine (workers.engine.feed) pulls TaskItems lazily from the given (async) iterable into a queue, never
   holding more than `max_resident` tasks (default 2 x parallelism) between reading a task and emitting
   its result (queued + in flight + being emitted). Plain synchronous iterators other than in-memory
   sequences are advanced in one dedicated thread, in small batches, so that an iterator that does
@@ -55,6 +55,7 @@ from workers.verifiers.execution import VerifyExecutor
 from .attempt import Abandon, AttemptError, new_trace_id, send_attempt, traceparent
 from .convert import build_request, response_text
 from .fdlimit import check_open_file_limit
+from .feed import END, Residency, feed
 from .materialize import merge_overrides, with_seed
 from .sources import run_class_for
 from .pacing import TokenBucket, backoff_delay
@@ -69,39 +70,6 @@ from .verify_pool import SHARED_VERIFY_POOL, RemoteVerifierError, VerifyBatcher,
 log = logging.getLogger(__name__)
 
 CONTROL_POLL_S = 0.5
-_ITER_BATCH = 64
-_END = object()
-
-
-# ------------------------------------------------------------------------------------------ helpers
-
-class _Residency:
-    """Counts tasks resident in the engine (read from the iterator, not yet emitted or dropped).
-
-    Only the feeder acquires; workers release. The limit can be raised at runtime."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self.event = asyncio.Event()
-
-    async def acquire_up_to(self, k: int) -> int:
-        while self.used >= self.limit:
-            self.event.clear()
-            await self.event.wait()
-        got = min(k, self.limit - self.used)
-        self.used += got
-        return got
-
-    def release(self, k: int = 1) -> None:
-        self.used -= k
-        if self.used < self.limit:
-            self.event.set()
-
-    def set_limit(self, limit: int) -> None:
-        self.limit = limit
-        if self.used < limit:
-            self.event.set()
 
 
 # -------------------------------------------------------------------------------------------- the run
@@ -136,7 +104,7 @@ class CollectionRun:
         self.t0 = time.monotonic()
 
         self.target = max(1, int(spec.parallelism))
-        self.resident = _Residency(self._resident_limit())
+        self.resident = Residency(self._resident_limit())
         self.queue: asyncio.Queue = asyncio.Queue()  # bounded by self.resident
 
         # "/v1/..." is appended; an OpenAI-style base URL that already ends in /v1 is accepted as well
@@ -215,44 +183,8 @@ class CollectionRun:
         return max(self.target, int(self.spec.max_resident or 2 * self.target))
 
     async def _feed(self, tasks):
-        put = self.queue.put_nowait
-        monotonic = time.monotonic
         try:
-            if hasattr(tasks, "__aiter__"):
-                it = aiter(tasks)
-                while True:
-                    await self.resident.acquire_up_to(1)
-                    try:
-                        item = await anext(it)
-                    except StopAsyncIteration:
-                        self.resident.release()
-                        break
-                    put((item, monotonic()))
-            elif isinstance(tasks, (list, tuple, range)):
-                for item in tasks:
-                    await self.resident.acquire_up_to(1)
-                    put((item, monotonic()))
-            else:
-                it = iter(tasks)
-                self.iter_executor = ThreadPoolExecutor(1, thread_name_prefix="engine-tasks")
-
-                def take(n):
-                    batch = []
-                    for item in it:
-                        batch.append(item)
-                        if len(batch) >= n:
-                            break
-                    return batch
-
-                while True:
-                    n = await self.resident.acquire_up_to(_ITER_BATCH)
-                    batch = await self.loop.run_in_executor(self.iter_executor, take, n)
-                    now = monotonic()
-                    for item in batch:
-                        put((item, now))
-                    if len(batch) < n:
-                        self.resident.release(n - len(batch))
-                        break
+            await feed(tasks, self.queue.put_nowait, self.resident, self.loop, self._task_thread)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the task iterator failed: stop the run with a clear message
@@ -260,7 +192,12 @@ class CollectionRun:
             self.fatal_error = f"reading tasks failed: {type(exc).__name__}: {exc}"
             self.stop(cancel=True)
             return
-        await self.queue.put(_END)
+        await self.queue.put(END)
+
+    def _task_thread(self) -> ThreadPoolExecutor:
+        """The one thread that advances a plain iterator (shut down when the run ends)."""
+        self.iter_executor = ThreadPoolExecutor(1, thread_name_prefix="engine-tasks")
+        return self.iter_executor
 
     # ---------------------------------------------------------------- workers
     def _spawn(self, n: int):
@@ -275,8 +212,8 @@ class CollectionRun:
             while not self.stopping and self.n_workers <= self.target:
                 self.workers[me] = "idle"
                 entry = await self.queue.get()
-                if entry is _END:
-                    self.queue.put_nowait(_END)  # let the other workers see it too
+                if entry is END:
+                    self.queue.put_nowait(END)  # let the other workers see it too
                     return
                 if self.stopping:
                     return
@@ -327,9 +264,9 @@ class CollectionRun:
             if self.feeder is not None:
                 self.feeder.cancel()
             while not self.queue.empty():
-                if self.queue.get_nowait() is not _END:
+                if self.queue.get_nowait() is not END:
                     self.resident.release()
-            self.queue.put_nowait(_END)
+            self.queue.put_nowait(END)
             for task, state in list(self.workers.items()):
                 if state == "idle":
                     task.cancel()

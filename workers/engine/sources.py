@@ -42,6 +42,3 @@ def run_class_for(spec, default: type) -> type:
         return _BY_VERIFIER[spec.verifier]
     return default
 
-
-def registered_flavors() -> frozenset[str]:
-    return frozenset(_BY_FLAVOR)

@@ -180,15 +180,3 @@ def resolve_sync(head: str, *, timeout_s: float = 10.0) -> Deployment:
         raise DeploymentError(f"{head}/global_config_dict_yaml answered HTTP {reply.status}")
     return parse_config(head, reply.body)
 
-
-def server_instances_sync(head: str, *, timeout_s: float = 10.0) -> list[dict]:
-    """`GET {head}/server_instances`: every server the head started (name, host, port, pid ...)."""
-    try:
-        reply = outbound.fetch_sync("GET", f"{head.rstrip('/')}/server_instances", timeout_s=timeout_s,
-                                    max_bytes=CONFIG_MAX_BYTES)
-        if reply.status != 200:
-            raise DeploymentError(f"{head}/server_instances answered HTTP {reply.status}")
-        data = reply.json()
-    except (outbound.OutboundError, ValueError) as exc:
-        raise DeploymentError(f"{head}/server_instances: {type(exc).__name__}") from None
-    return data if isinstance(data, list) else []

@@ -1,5 +1,8 @@
 from django import template
 
+from controlplane.disclosure import shown_for
+from controlplane.jobs.replica_load import run_health as health
+
 register = template.Library()
 
 
@@ -39,14 +42,6 @@ def percent(fraction):
 
 
 @register.filter
-def get_item(d, key):
-    try:
-        return d.get(key)
-    except AttributeError:
-        return None
-
-
-@register.filter
 def ms(seconds, digits=3):
     """Seconds as milliseconds ('—' when unknown): the unit profiles and latencies are read in."""
     try:
@@ -59,14 +54,10 @@ def ms(seconds, digits=3):
 def shown_to(value, user):
     """An error text or report as `user` may read it (controlplane.disclosure): staff all of it, everyone
     else never what a server said."""
-    from controlplane.disclosure import shown_for
-
     return shown_for(user, value)
 
 
 @register.simple_tag
 def run_health(endpoint):
     """The endpoint as the latest job's run saw it (controlplane.jobs.replica_load.run_health), or None."""
-    from controlplane.jobs.replica_load import run_health as health
-
     return health(endpoint)

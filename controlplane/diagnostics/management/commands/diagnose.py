@@ -4,6 +4,7 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.diagnostics import services
+from controlplane.jobs.models import CollectionJob
 
 
 class Command(BaseCommand):
@@ -15,8 +16,6 @@ class Command(BaseCommand):
         parser.add_argument("--samples", type=int, default=5000, help="newest metric samples to use (default 5000)")
 
     def handle(self, job_id, **opts):
-        from controlplane.jobs.models import CollectionJob
-
         job = CollectionJob.objects.select_related("endpoint").filter(pk=job_id).first()
         if job is None:
             raise CommandError(f"no job {job_id}")

@@ -5,7 +5,11 @@ import json
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from controlplane.datasets.models import Dataset
 from controlplane.diagnostics import services
+from controlplane.diagnostics.tasks import run_sweep_task
+from controlplane.endpoints.models import Endpoint
+from controlplane.jobs.models import CollectionJob
 
 
 class Command(BaseCommand):
@@ -23,10 +27,6 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, **o):
-        from controlplane.datasets.models import Dataset
-        from controlplane.endpoints.models import Endpoint
-        from controlplane.jobs.models import CollectionJob
-
         job = CollectionJob.objects.filter(pk=o["job"]).first() if o["job"] else None
         if o["job"] and job is None:
             raise CommandError(f"no job {o['job']}")
@@ -50,8 +50,6 @@ class Command(BaseCommand):
         except ValueError as e:
             raise CommandError(str(e))
         if o["run_async"]:
-            from controlplane.diagnostics.tasks import run_sweep_task
-
             run_sweep_task.delay(sweep.pk)
             self.stdout.write(f"sweep {sweep.pk} queued")
             return

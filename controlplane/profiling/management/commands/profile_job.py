@@ -6,7 +6,9 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from controlplane.profiling import services
+from controlplane.jobs.models import CollectionJob
+from controlplane.profiling import exports, services
+from controlplane.profiling.models import ProfileSnapshot
 
 
 def print_profile(w, prof, top=25):
@@ -48,8 +50,6 @@ class Command(BaseCommand):
         parser.add_argument("--export-callgrind", metavar="PATH")
 
     def handle(self, job_id, **o):
-        from controlplane.jobs.models import CollectionJob
-
         job = CollectionJob.objects.filter(pk=job_id).first()
         if job is None:
             raise CommandError(f"no job {job_id}")
@@ -82,10 +82,8 @@ class Command(BaseCommand):
         else:
             print_profile(w, prof)
         rows = None
-        for key, fn, mode in (("export_pstats", services.to_pstats, "wb"), ("export_callgrind", services.to_callgrind, "w")):
+        for key, fn, mode in (("export_pstats", exports.to_pstats, "wb"), ("export_callgrind", exports.to_callgrind, "w")):
             if o[key]:
-                from controlplane.profiling.models import ProfileSnapshot
-
                 rows = rows if rows is not None else services.rows_of(list(ProfileSnapshot.objects.filter(job=job)))
                 with open(o[key], mode) as f:
                     f.write(fn(rows))
