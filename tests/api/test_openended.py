@@ -95,6 +95,7 @@ def sim(simulator_factory):
     return simulator_factory(seed=3, ttft_ms=1, itl_ms=0, jitter=0)
 
 
+@pytest.mark.slow
 def test_keeps_collecting_bounded_by_the_consumer_then_stops_with_every_rollout_once(alice, sim):
     api = _client(alice)
     dataset = ingest_dataset(alice, n=6)
@@ -178,6 +179,7 @@ def test_keeps_collecting_bounded_by_the_consumer_then_stops_with_every_rollout_
     assert api.post(f"/api/jobs/{job.pk}/stop/").status_code == 409  # over
 
 
+@pytest.mark.slow
 def test_cancel_mid_chunk_loses_nothing_and_adds_nothing(alice, simulator_factory):
     sim = simulator_factory(seed=4, ttft_ms=500, itl_ms=0, jitter=0)
     api = _client(alice)
@@ -267,6 +269,7 @@ def test_open_ended_options_are_validated_and_documented(api, alice, dataset, en
     assert any(p.endswith("/stop/") for p in schema["paths"])
 
 
+@pytest.mark.slow
 def test_the_watchdog_leaves_a_job_waiting_for_its_consumer_running(alice, sim):
     from datetime import timedelta
 

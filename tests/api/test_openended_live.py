@@ -42,6 +42,7 @@ def _settled(url, token, job_id, timeout=60):
     raise AssertionError("the job never settled")
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_open_ended_job_with_a_live_worker_and_a_trainer(stack, simulator_factory, django_user_model):  # noqa: F811
