@@ -3,9 +3,10 @@ JSONL export, with the process's memory.
 
 1. Throughput, for each size: a job of N stored rollouts (~1.2 KB of JSON each, as bench_export) is
    (a) exported through GET /api/jobs/<id>/export/ and (b) drained by one consumer through
-   GET /api/jobs/<id>/stream/?max=B&ack=<previous token> per batch (the take acknowledges the batch before), both through Django's full request
-   stack (test client: routing, token auth, throttling, the DRF views), and both decoded by the reader
-   (each JSONL line / each batch's body), as a trainer must. Rows/s and RSS growth of each.
+   GET /api/jobs/<id>/stream/?max=B&ack=<previous token> per batch (the take acknowledges the batch before),
+   both through Django's full request stack (test client: routing, token auth, throttling, the DRF views), and
+   both decoded by the reader (each JSONL line / each batch's body, the way rolloutctl.stream decodes it), as a
+   trainer must. Rows/s and RSS growth of each (the process's peak RSS minus its RSS before that read).
 2. Latency: a writer thread stores rollouts the way the job sink does (its transaction: the job-row lock,
    COPY insert, counters), `--rate` rows/s in batches every `--flush-s`, while a consumer long-polls
    (wait=5) and acknowledges. Per rollout: the time the consumer had it - the time its batch committed.
@@ -15,6 +16,7 @@ The database is a throwaway one created (and dropped) by the script, on the serv
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/controlplane .venv/bin/python -m bench.bench_stream
     ... -m bench.bench_stream --sizes 20000,200000 --batch 1000 --latency-s 20 --rate 500
+    ... -m bench.bench_stream --sizes 1000000 --batch 2000 --latency-s 20     # 1M rows: filled by fill_fast
 """
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ from django.db import connection, transaction  # noqa: E402
 from django.test import Client  # noqa: E402
 
 from bench.bench_export import RssSampler, fill_job, make_row, measure_export  # noqa: E402
+try:  # as the trainer's client decodes a batch (before it had decode_batch: requests' .json(), json.loads)
+    from rolloutctl.stream import decode_batch  # noqa: E402
+except ImportError:
+    from json import loads as decode_batch  # noqa: E402
 
 
 def export_parsed(client, token, job_id) -> dict:
@@ -70,7 +76,7 @@ def drain(client, token, job_id, consumer, batch) -> dict:
     while True:  # each take acknowledges the batch before it (?ack=token), as rolloutctl.stream does
         r = client.get(f"/api/jobs/{job_id}/stream/", params, **auth)
         assert r.status_code == 200, r.content[:500]
-        body = r.json()
+        body = decode_batch(r.content)  # as rolloutctl.stream decodes a batch
         if not body["count"]:
             break
         n += body["count"]
@@ -78,6 +84,30 @@ def drain(client, token, job_id, consumer, batch) -> dict:
         params = {"consumer": consumer, "max": batch, "ack": body["token"]}
     wall = time.perf_counter() - t0
     return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop()}
+
+
+def fill_fast(job, n: int, template: int = 2000) -> float:
+    """fill_job for large sizes: `template` rows as bench_export writes them, then the rest copied from them by
+    the database (INSERT ... SELECT, task i from template row i % template, its `_ng_task_index` set to i): the
+    same shape and size of row, in seconds rather than the minutes bulk_create takes for 1M rows."""
+    from controlplane.jobs.models import Rollout
+
+    t0 = time.perf_counter()
+    fill_job(job, min(n, template))
+    if n > template:
+        meta = Rollout._meta
+        qn = connection.ops.quote_name
+        cols = [f.column for f in meta.concrete_fields if f.column != meta.pk.column]
+        exprs = {"task_index": "g.i", "data": "jsonb_set(r.data, '{_ng_task_index}', to_jsonb(g.i))"}
+        sel = ", ".join(exprs.get(c, f"r.{qn(c)}") for c in cols)
+        with connection.cursor() as cur:
+            for lo in range(template, n, 100_000):
+                hi = min(n, lo + 100_000)
+                cur.execute(f"INSERT INTO {qn(meta.db_table)} ({', '.join(qn(c) for c in cols)}) SELECT {sel} "
+                            f"FROM generate_series(%s, %s) AS g(i) JOIN {qn(meta.db_table)} r "
+                            f"ON r.job_id = %s AND r.task_index = g.i %% %s AND r.rollout_index = 0 ORDER BY g.i",
+                            [lo, hi - 1, job.pk, template])
+    return time.perf_counter() - t0
 
 
 def write_like_the_sink(job, rate: float, flush_s: float, seconds: float, committed: dict, stop: threading.Event):
@@ -100,7 +130,7 @@ def write_like_the_sink(job, rate: float, flush_s: float, seconds: float, commit
                      "error": "", "reward": 1.0, "data": make_row(task + i, 0), "queue_ms": 0.0, "ttft_ms": 1.0,
                      "generation_ms": 1.0, "verify_ms": 0.1, "wall_ms": 50.0, "input_tokens": 31, "output_tokens": 140,
                      "attempts": 1, "weight_version": "", "completed_version": "", "spans_update": False, "stale": False,
-                     "worker": "bench", "created_at": now} for i in range(per)]
+                     "worker": "bench", "created_at": now, "trace_id": ""} for i in range(per)]
             with transaction.atomic():
                 lock_job_for_insert(job.pk)
                 inserted = insert_rollouts(rows)
@@ -127,7 +157,7 @@ def latency(client, token, job, args) -> dict:
     try:
         while time.monotonic() < end:
             r = client.get(f"/api/jobs/{job.pk}/stream/", params, **auth)
-            body = r.json()
+            body = decode_batch(r.content)
             t = time.time()
             for row in body["rollouts"]:
                 c = committed.get(row["task_index"])
@@ -157,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--latency-s", type=float, default=20.0)
     ap.add_argument("--rate", type=float, default=500.0, help="rollouts stored per second during the latency run")
     ap.add_argument("--flush-s", type=float, default=0.2, help="the writer's batch interval (the sink's flush)")
+    ap.add_argument("--fill-fast-over", type=int, default=200_000,
+                    help="sizes above this are filled by the database from 2,000 written rows (fill_fast)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
@@ -181,7 +213,7 @@ def main(argv=None):
         for n in sizes:
             job = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="completed",
                                                total_rollouts=n, completed_count=n)
-            fill_s = fill_job(job, n)
+            fill_s = fill_job(job, n) if n <= args.fill_fast_over else fill_fast(job, n)
             with connection.cursor() as cur:
                 cur.execute("ANALYZE jobs_rollout")
             print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)

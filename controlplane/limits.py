@@ -96,3 +96,10 @@ def quota_errors(owner, num_samples_in_parallel) -> dict[str, str]:
                                            f"{settings.JOBS_MAX_PARALLELISM_PER_USER} parallel requests; "
                                            f"{num_samples_in_parallel} more is over that"}
     return {}
+
+
+# The rollout stream (controlplane.jobs.stream): a batch holds at most this many rollouts (`?max=`), and in rows
+# mode ends before the row that would take its rows' JSON past this many bytes (at least one row), so that a
+# large `max` on large rollouts stays within a bounded response.
+STREAM_MAX_BATCH = 50_000
+STREAM_MAX_BATCH_BYTES = 64 << 20

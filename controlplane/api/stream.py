@@ -101,6 +101,9 @@ class StreamConsumersSerializer(serializers.Serializer):
     consumers = StreamConsumerSerializer(many=True)
 
 
+ROW_FIELDS = [f for f in StreamRolloutSerializer.Meta.fields if f not in ("data", "lag")]
+
+
 class _JobStreamView(ApiMixin, APIView):
     parser_classes = [JSONParser]
 
@@ -123,26 +126,33 @@ class JobStreamView(_JobStreamView):
             if q.get("ack"):
                 stream.ack(job, q["consumer"], q["ack"])
             batch = stream.take(job, q["consumer"], max_n=q["max"], wait_s=q["wait"], groups=q["groups"],
-                                skip_equal=q["skip_equal"])
+                                skip_equal=q["skip_equal"], fields=ROW_FIELDS)
         except stream.StreamConflict as exc:
             raise Conflict(str(exc)) from exc
-        # The body is written here, not by a serializer and the renderer: each row's stored `data` is spliced
-        # in as the JSON text PostgreSQL returns, never decoded and encoded again (a ModelSerializer per row and
-        # the jsonb round trip cost more than the rest of the request at 1,000 rows a batch). Same fields as
-        # StreamRolloutSerializer, which documents them.
-        fields = [f for f in StreamRolloutSerializer.Meta.fields if f not in ("data", "lag")]
-        rows = stream.rows_json(batch["ids"], fields)
+        # The body is written here, not by a serializer and the renderer: each row comes as the JSON text
+        # PostgreSQL writes (its stored `data` never decoded and encoded again), read in the same pass that plans
+        # the batch, and the body is one join of those texts (a ModelSerializer per row and the jsonb round trip
+        # cost more than the rest of the request at 1,000 rows a batch). Same fields as StreamRolloutSerializer,
+        # which documents them.
+        rows = batch["rows"] if batch["rows"] is not None else stream.rows_json(batch["ids"], ROW_FIELDS)
+        current = batch["current_version"]
         head = {"job": job.pk, "consumer": q["consumer"], "token": batch["token"], "cursor": batch["cursor"],
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
-                "skipped_equal": batch["skipped_equal"], "current_version": batch["current_version"],
+                "skipped_equal": batch["skipped_equal"], "current_version": current,
                 "groups": stream.group_ids(job, [r for r, _ in rows]) if q["groups"] else None}
-        parts = []
-        for row, text in rows:
-            lag = stream.lag_of(row["weight_version"], batch["current_version"])
-            parts.append(text[:-1] + ', "error": ' + _dumps(shown_for(request.user, row["error"]))
-                         + ', "lag": ' + ("null" if lag is None else str(lag)) + "}")
-        body = _dumps(head)[:-1] + ', "rollouts": [' + ", ".join(parts) + "]}"
-        return HttpResponse(body.encode(), content_type="application/json")
+        lags: dict[str, str] = {}  # the tail of each weight version's rows: `"lag": n}`
+        parts = [_dumps(head)[:-1], ', "rollouts": [']
+        user = request.user
+        for i, (row, text) in enumerate(rows):
+            wv = row["weight_version"]
+            tail = lags.get(wv)
+            if tail is None:
+                lag = stream.lag_of(wv, current)
+                tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
+            error = row["error"]
+            parts += (", " if i else "", text, ', "error": ', _dumps(shown_for(user, error)) if error else '""', tail)
+        parts.append("]}")
+        return HttpResponse("".join(parts).encode(), content_type="application/json")
 
 
 def _dumps(obj) -> str:

@@ -3,10 +3,10 @@ consumer, and bounded staleness (a rollout whose version lag is past the job's m
 handed out: collected again or kept and marked).
 
 A consumer (StreamConsumer) has a durable cursor: a rollout id. `take` hands out the next batch after the
-cursor and remembers it as pending (its token, its row ids, where the cursor goes); `ack(token)` moves the
-cursor. Until it is acknowledged, every `take` hands out the same pending batch again, so a trainer that
-dies between take and ack gets it again after its restart, and once acknowledged a batch is never handed
-out again.
+cursor and remembers it as pending (its token, its row ids packed as runs of consecutive ids, where the cursor
+goes); `ack(token)` moves the cursor. Until it is acknowledged, every `take` hands out the same pending batch
+again, so a trainer that dies between take and ack gets it again after its restart, and once acknowledged a
+batch is never handed out again.
 
 Why an id cursor is exact: the sink writes a job's rows under a lock of the job row taken before the insert
 (`lock_job_for_insert`), so a job's ids are allocated in commit order and a reader never sees a later id
@@ -20,19 +20,26 @@ a group-relative advantage); they pass the cursor like stale ones.
 """
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
-from django.db import transaction
+from django.db import connection, transaction
+
+from controlplane.limits import STREAM_MAX_BATCH as MAX_BATCH
+from controlplane.limits import STREAM_MAX_BATCH_BYTES as MAX_BATCH_BYTES
 
 from controlplane.endpoints.models import WeightVersion
 
 from .models import CollectionJob, JobChunk, JobState, Rollout, StreamConsumer
 
-MAX_BATCH = 10_000
 MAX_WAIT_S = 30.0
 POLL_S = 0.05
 _FIELDS = ("id", "task_index", "rollout_index", "reward", "weight_version", "stale")
+_HEAD = ("id", "task_index", "rollout_index", "weight_version", "error")  # what the view needs beside the text
+_PLAIN_JSON = ("AutoField", "BigAutoField", "IntegerField", "BigIntegerField", "SmallIntegerField",
+               "PositiveIntegerField", "PositiveBigIntegerField", "PositiveSmallIntegerField", "BooleanField")  # ::text is JSON
+SCAN_PAGE = 5000  # rows mode reads the rows' JSON in pages of this many, up to `max` or MAX_BATCH_BYTES
 
 
 class StreamConflict(Exception):
@@ -106,6 +113,40 @@ def settle_stale(job, ids: list[int]) -> int:
     return n
 
 
+# --- the pending batch, compact -------------------------------------------------------------------
+def pack_ids(ids: list[int]) -> list:
+    """The batch's ids in their order, each run of consecutive ids (id, id+1, ...) as [first, last]: a batch
+    of rows read by id is a handful of runs (one when nothing else was written in between), not thousands of
+    numbers written with the consumer's row and read back at its ack. Exact: every id of a run is in the batch."""
+    out: list = []
+    start = prev = None
+    for i in ids:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            out.append(start if start == prev else [start, prev])
+        start = prev = i
+    if start is not None:
+        out.append(start if start == prev else [start, prev])
+    return out
+
+
+def unpack_ids(packed: list) -> list[int]:
+    """pack_ids undone; a plain list of ids (as stored before runs) is its own unpacking."""
+    out: list[int] = []
+    for p in packed:
+        if isinstance(p, list):
+            out.extend(range(p[0], p[1] + 1))
+        else:
+            out.append(p)
+    return out
+
+
+def packed_len(packed: list) -> int:
+    return sum(p[1] - p[0] + 1 if isinstance(p, list) else 1 for p in packed)
+
+
 # --- the stream -----------------------------------------------------------------------------------
 def consumer_for(job, name: str, *, groups: bool, skip_equal: bool) -> StreamConsumer:
     c, created = StreamConsumer.objects.get_or_create(job=job, name=name,
@@ -136,6 +177,52 @@ def _plan_rows(job, cursor, max_n, current):
     for r in rows:
         (stale if is_past_bound(r, job, current) else out).append(r["id"])
     return out, stale, 0, high
+
+
+def _plan_rows_read(job, cursor, max_n, current, fields):
+    """_plan_rows reading the batch's rows whole in the same pass (PostgreSQL): ids, stale ids, 0, the id up to
+    which rows were examined, and the batch's rows as rows_json gives them. The rows' JSON stops before the row
+    that would take it past MAX_BATCH_BYTES (at least one row); the cursor then stops there too."""
+    inline = job.verify_mode == CollectionJob.VerifyMode.INLINE
+    bound = job.max_version_lag
+    # failed rows are read too (their JSON left out) and passed, never handed out: as _scan does
+    sql = _select_sql(fields, with_status=True) + " WHERE job_id = %s AND id > %s ORDER BY id LIMIT %s"
+    lag_past: dict[str, bool] = {}
+    out, stale, rows = [], [], []
+    high, size = cursor, 0
+    with connection.cursor() as cur:
+        while len(out) + len(stale) < max_n:
+            page = min(SCAN_PAGE, max_n - len(out) - len(stale))
+            cur.execute(sql, [job.pk, high, page])
+            got = cur.fetchall()
+            for status, rid, task, rep, wv, error, reward, is_stale, text in got:
+                if status != Rollout.Status.OK:
+                    high = rid
+                    continue
+                if reward is None and not inline:
+                    return out, stale, 0, high, rows  # deferred verification: not past an unverified row
+                if is_stale:
+                    past = True
+                elif bound is None:
+                    past = False
+                else:
+                    past = lag_past.get(wv)
+                    if past is None:
+                        lag = lag_of(wv, current)
+                        past = lag_past[wv] = lag is not None and lag > bound
+                if past:
+                    stale.append(rid)
+                else:
+                    if out and size + len(text) > MAX_BATCH_BYTES:
+                        return out, stale, 0, high, rows
+                    size += len(text)
+                    out.append(rid)
+                    rows.append(({"id": rid, "task_index": task, "rollout_index": rep, "weight_version": wv,
+                                  "error": error}, text))
+                high = rid
+            if len(got) < page:
+                break
+    return out, stale, 0, high, rows
 
 
 def _plan_groups(job, cursor, max_n, current, skip_equal):
@@ -171,10 +258,12 @@ def _plan_groups(job, cursor, max_n, current, skip_equal):
 
 
 def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool = False,
-         skip_equal: bool = False) -> dict:
+         skip_equal: bool = False, fields=None) -> dict:
     """The consumer's next batch (its pending one again when not acknowledged), waiting up to wait_s for
-    rollouts to land. {"token", "cursor", "redelivered", "ids", "skipped_stale", "skipped_equal", "current_version"};
-    token "" with no ids when nothing came within wait_s."""
+    rollouts to land. {"token", "cursor", "redelivered", "ids", "skipped_stale", "skipped_equal", "current_version",
+    "rows"}; token "" with no ids when nothing came within wait_s. `fields`: the rows' fields as rows_json(ids,
+    fields) gives them; on PostgreSQL a fresh batch of rows (not groups) is read whole while it is planned and
+    comes as "rows" (else "rows" is None: read them with rows_json)."""
     max_n = max(1, min(int(max_n), MAX_BATCH))
     deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
     skipped_stale = skipped_equal = 0
@@ -186,16 +275,20 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
             current = current_version(job.endpoint_id)
             if c.pending_token:
                 return {"token": c.pending_token, "cursor": c.pending_cursor, "redelivered": True,
-                        "ids": list(c.pending_ids), "skipped_stale": 0, "skipped_equal": 0, "current_version": current}
+                        "ids": unpack_ids(c.pending_ids), "skipped_stale": 0, "skipped_equal": 0,
+                        "current_version": current, "rows": None}
             job.refresh_from_db(fields=["max_version_lag", "stale_policy", "num_repeats", "verify_mode"])
+            rows = None
             if groups:
                 ids, stale, equal, high = _plan_groups(job, c.cursor, max_n, current, skip_equal)
+            elif fields is not None and connection.vendor == "postgresql":
+                ids, stale, equal, high, rows = _plan_rows_read(job, c.cursor, max_n, current, fields)
             else:
                 ids, stale, equal, high = _plan_rows(job, c.cursor, max_n, current)
             skipped_equal += equal
             if ids:
                 c.pending_token = secrets.token_hex(12)
-                c.pending_ids, c.pending_cursor = ids, high
+                c.pending_ids, c.pending_cursor = pack_ids(ids), high
                 c.save(update_fields=["pending_token", "pending_ids", "pending_cursor", "updated_at"])
             elif passed := high > c.cursor:  # only left-out (or failed) rows were read: pass them for good
                 c.cursor = high
@@ -208,12 +301,13 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
             after_ack(job)
         if ids:
             return {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
-                    "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current}
+                    "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current,
+                    "rows": rows}
         if passed or stale:
             continue  # read further at once
         if time.monotonic() >= deadline:
             return {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [], "skipped_stale": skipped_stale,
-                    "skipped_equal": skipped_equal, "current_version": current}
+                    "skipped_equal": skipped_equal, "current_version": current, "rows": []}
         time.sleep(POLL_S)
 
 
@@ -228,7 +322,7 @@ def ack(job, name: str, token: str) -> dict:
             return {"cursor": c.cursor, "acked": 0, "delivered": c.delivered}
         if not c.pending_token or token != c.pending_token:
             raise StreamConflict("not the consumer's pending batch (taken again since, or never handed out)")
-        n = len(c.pending_ids)
+        n = packed_len(c.pending_ids)
         from .openended import after_ack, record_ack
 
         c.cursor, c.delivered, c.acked_token = c.pending_cursor, c.delivered + n, token
@@ -250,33 +344,49 @@ def rows_of(ids: list[int], fields) -> list[dict]:
     return [by_id[i] for i in ids if i in by_id]
 
 
+def _select_sql(fields, with_status: bool = False) -> str:
+    """SELECT id, task_index, rollout_index, weight_version, error, reward, stale, and the row's `fields` (less
+    `error`) + data as one JSON object text written by PostgreSQL without its closing brace, FROM the rollouts
+    table. The object is concat() of each value's to_json() text: half the database time of json_build_object
+    (which works out every argument's type again on every row; 2,000 rows: 27 ms against 58 ms, data::text alone
+    14 ms, min of 12 runs), the same JSON values; integers and booleans as their ::text (3 ms less again)."""
+    meta = Rollout._meta
+    qn = connection.ops.quote_name
+    col = {f: qn(meta.get_field(f).column) for f in (*fields, *_HEAD, "reward", "stale", "data")}
+    parts = []
+    for k, f in enumerate(x for x in fields if x != "error"):
+        field = meta.get_field(f)
+        parts.append("'%s%s: '" % ("{" if k == 0 else ", ", json.dumps(f)))
+        value = f"{col[f]}::text" if field.get_internal_type() in _PLAIN_JSON else f"to_json({col[f]})::text"
+        parts.append(f"coalesce({value}, 'null')" if field.null else value)
+    parts += ["', \"data\": '", f"{col['data']}::text"]
+    text = f"concat({', '.join(parts)})"
+    status = ""
+    if with_status:  # the status first, and no JSON written for a row that is not ok
+        st = qn(meta.get_field("status").column)
+        status, text = f"{st}, ", f"CASE WHEN {st} = '{Rollout.Status.OK}' THEN {text} END"
+    return (f"SELECT {status}{', '.join(col[k] for k in _HEAD)}, {col['reward']}, {col['stale']}, "
+            f"{text} FROM {qn(meta.db_table)}")
+
+
 def rows_json(ids: list[int], fields) -> list[tuple[dict, str]]:
     """[(row's id, task_index, rollout_index, weight_version, error; the row's `fields` + data as one JSON object
-    text, less `error`)] in the batch's order. On PostgreSQL the database writes each object (json_build_object):
-    the stored `data` is never decoded and encoded again in Python."""
-    from django.db import connection
-
+    text, less `error` and less its closing brace)] in the batch's order. On PostgreSQL the database writes each
+    object (_select_sql): the stored `data` is never decoded and encoded again in Python."""
     from django.core.serializers.json import DjangoJSONEncoder
-    import json
 
-    keys = ("id", "task_index", "rollout_index", "weight_version", "error")
     if connection.vendor != "postgresql":
         out = []
         for r in rows_of(ids, fields):
             data = r.pop("data_text")
-            head = {k: r[k] for k in keys}
+            head = {k: r[k] for k in _HEAD}
             r.pop("error")
-            out.append((head, json.dumps(r, cls=DjangoJSONEncoder, ensure_ascii=False)[:-1] + ', "data": ' + data + "}"))
+            out.append((head, json.dumps(r, cls=DjangoJSONEncoder, ensure_ascii=False)[:-1] + ', "data": ' + data))
         return out
-    meta = Rollout._meta
-    qn = connection.ops.quote_name
-    pairs = ", ".join(f"'{f}', {qn(meta.get_field(f).column)}" for f in fields if f != "error")
-    sql = (f"SELECT {', '.join(qn(meta.get_field(k).column) for k in keys)}, "
-           f"json_build_object({pairs}, 'data', {qn(meta.get_field('data').column)})::text "
-           f"FROM {qn(meta.db_table)} WHERE {qn(meta.pk.column)} = ANY(%s)")
     with connection.cursor() as cur:
-        cur.execute(sql, [list(ids)])
-        by_id = {r[0]: (dict(zip(keys, r[:5])), r[5]) for r in cur.fetchall()}
+        cur.execute(_select_sql(fields) + f" WHERE {connection.ops.quote_name(Rollout._meta.pk.column)} = ANY(%s)",
+                    [list(ids)])
+        by_id = {r[0]: (dict(zip(_HEAD, r[:5])), r[7]) for r in cur.fetchall()}
     return [by_id[i] for i in ids if i in by_id]
 
 
@@ -291,5 +401,5 @@ def group_ids(job, rows: list[dict]) -> list[list[int]]:
 
 def consumers(job) -> list[dict]:
     return [{"name": c.name, "groups": c.groups, "skip_equal": c.skip_equal, "cursor": c.cursor,
-             "delivered": c.delivered, "pending": len(c.pending_ids), "updated_at": c.updated_at}
+             "delivered": c.delivered, "pending": packed_len(c.pending_ids), "updated_at": c.updated_at}
             for c in StreamConsumer.objects.filter(job=job).order_by("name")]

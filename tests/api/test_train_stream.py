@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from controlplane.endpoints.models import WeightVersion
 from controlplane.jobs.models import JobChunk, Rollout
+from controlplane.limits import STREAM_MAX_BATCH
 from tests.factories import make_job
 
 from .conftest import _client
@@ -117,7 +118,7 @@ def test_another_users_job_is_404(bob_api, alice, dataset, endpoint):
 def test_inputs_are_validated(api, alice, dataset, endpoint):
     job = make_job(alice, dataset, endpoint, n_rollouts=4, state="running")
     for bad in ({}, {"consumer": ""}, {"consumer": "a b"}, {"consumer": "t", "max": 0}, {"consumer": "t", "wait": -1},
-                {"consumer": "t", "wait": 31}, {"consumer": "t", "max": 10001}, {"consumer": "t", "wait": "nan"}):
+                {"consumer": "t", "wait": 31}, {"consumer": "t", "max": STREAM_MAX_BATCH + 1}, {"consumer": "t", "wait": "nan"}):
         assert api.get(f"/api/jobs/{job.pk}/stream/", bad).status_code == 400, bad
     assert api.post(f"/api/jobs/{job.pk}/stream/ack/", {"consumer": "t", "token": 5}, format="json").status_code == 400
 

@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from controlplane.jobs import stream
 from controlplane.jobs.models import Rollout, StreamConsumer
 from tests.api.test_cli_live import REPO, Proc, _database_url, _free_port
 from tests.controlplane.test_weight_update_vllm import EMPTY_DIGEST, checksums
@@ -89,7 +90,7 @@ def test_three_steps_of_the_reference_trainer_on_vllm(vllm_server, train_stack, 
     assert "crash: exiting with step 2's batch" in r.stdout
     sums.append(visible_checksums(vllm_server.url))
     consumer = StreamConsumer.objects.filter(name="e2e").order_by("-job_id").first()  # step 2's job
-    assert len(consumer.pending_ids) == PROMPTS * GROUP  # handed out, not acknowledged
+    assert stream.packed_len(consumer.pending_ids) == PROMPTS * GROUP  # handed out, not acknowledged
     ok(trainer(2))  # restarted: step 2 on the same batch, then its update
     sums.append(visible_checksums(vllm_server.url))
     ok(trainer(3))

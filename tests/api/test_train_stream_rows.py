@@ -1,0 +1,105 @@
+"""The stream's rows as the database writes them, and its pending batch kept as runs of ids: a streamed rollout
+is the stored one field for field (odd strings, nulls, floats), a batch with holes in its ids (failed rows,
+another job's rows) comes again exactly, and a batch cut by its byte bound skips nothing."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from controlplane.api.stream import ROW_FIELDS
+from controlplane.disclosure import shown_for
+from controlplane.jobs import stream
+from controlplane.jobs.models import Rollout, StreamConsumer
+from tests.factories import add_rollouts, make_job
+
+
+def _take(api, job, consumer="trainer", **params):
+    r = api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": consumer, **params})
+    assert r.status_code == 200, r.content
+    return r.json()
+
+
+def _ids(batch):
+    return [r["id"] for r in batch["rollouts"]]
+
+
+def test_a_streamed_rollout_is_the_stored_one(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=6, state="running")
+    rows = list(Rollout.objects.filter(job=job).order_by("id"))
+    odd = 'quote " backslash \\ newline \n tab \t unicode é 漢 \u2028 end'
+    Rollout.objects.filter(pk=rows[0].pk).update(
+        weight_version='7"', completed_version=odd, worker=odd, error="kept: " + odd, failure_class="x\\y"
+    )
+    Rollout.objects.filter(pk=rows[1].pk).update(
+        reward=0.1, queue_ms=None, ttft_ms=1e-300, wall_ms=1.5e300, input_tokens=None, output_tokens=0
+    )
+    Rollout.objects.filter(pk=rows[2].pk).update(data={"text": odd, "n": [1, 2.5, None, True], "nested": {"a": {}}})
+    first = _take(api, job, max=10)
+    again = _take(api, job, max=10)  # not acknowledged: the same rows again, read by id
+    assert again["redelivered"] and again["rollouts"] == first["rollouts"]
+    assert [r["id"] for r in first["rollouts"]] == [r.pk for r in rows]
+    for got, row in zip(first["rollouts"], Rollout.objects.filter(job=job).order_by("id")):
+        assert set(got) == {*ROW_FIELDS, "data", "lag"}
+        for f in ROW_FIELDS:
+            want = getattr(row, f)
+            if f == "error":
+                assert got[f] == shown_for(alice, want)
+            elif f == "created_at":
+                assert datetime.fromisoformat(got[f].replace("Z", "+00:00")) == want
+            else:
+                assert got[f] == want, (f, got[f], want)
+        assert got["data"] == row.data
+
+
+def test_a_batch_with_holes_in_its_ids_comes_again_exactly(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=0, state="running")
+    other = make_job(alice, dataset, endpoint, n_rollouts=0, state="running")
+    for k in range(4):  # ids interleaved with another job's, and failed rows among the job's own
+        add_rollouts(job, 5, failed_every=3, start_task=10 * k)
+        add_rollouts(other, 2, start_task=10 * k)
+    ok = list(Rollout.objects.filter(job=job, status="ok").order_by("id").values_list("id", flat=True))
+    first = _take(api, job, max=9)
+    assert _ids(first) == ok[:9]
+    packed = StreamConsumer.objects.get(job=job, name="trainer").pending_ids
+    assert stream.unpack_ids(packed) == ok[:9] and len(packed) < 9  # runs, not each id
+    assert api.get(f"/api/jobs/{job.pk}/stream/consumers/").json()["consumers"][0]["pending"] == 9
+    again = _take(api, job, max=9)
+    assert again["redelivered"] and _ids(again) == ok[:9]
+    rest = _take(api, job, max=100, ack=first["token"])
+    assert _ids(rest) == ok[9:]
+    done = api.post(f"/api/jobs/{job.pk}/stream/ack/", {"consumer": "trainer", "token": rest["token"]}, format="json")
+    assert done.json()["delivered"] == len(ok)
+
+
+def test_a_pending_batch_stored_as_plain_ids_is_still_handed_out_and_acknowledged(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=6, state="running")
+    ids = list(Rollout.objects.filter(job=job).order_by("id").values_list("id", flat=True))
+    StreamConsumer.objects.create(
+        job=job, name="trainer", pending_token="ab12", pending_ids=ids[:3], pending_cursor=ids[2]
+    )
+    b = _take(api, job, max=10)
+    assert b["redelivered"] and _ids(b) == ids[:3]
+    assert _ids(_take(api, job, max=10, ack="ab12")) == ids[3:]
+    assert StreamConsumer.objects.get(job=job, name="trainer").delivered == 3
+
+
+def test_a_batch_cut_at_its_byte_bound_skips_nothing(api, alice, dataset, endpoint, monkeypatch):
+    job = make_job(alice, dataset, endpoint, n_rollouts=30, state="running")
+    ids = list(Rollout.objects.filter(job=job).order_by("id").values_list("id", flat=True))
+    monkeypatch.setattr(stream, "MAX_BATCH_BYTES", 3000)  # a few rows' JSON
+    seen, token, sizes = [], None, []
+    while (b := _take(api, job, max=1000, **({"ack": token} if token else {})))["count"]:
+        seen += _ids(b)
+        sizes.append(b["count"])
+        token = b["token"]
+    assert seen == ids and max(sizes) < 30 and len(sizes) > 2
+    monkeypatch.setattr(stream, "MAX_BATCH_BYTES", 1)  # never less than one row
+    job2 = make_job(alice, dataset, endpoint, n_rollouts=2, state="running")
+    assert _take(api, job2, max=10)["count"] == 1
+
+
+def test_pack_ids_round_trip():
+    for ids in ([], [5], [1, 2, 3], [1, 3, 4, 5, 9, 10, 2], [7, 6, 5]):
+        assert stream.unpack_ids(stream.pack_ids(ids)) == ids
+        assert stream.packed_len(stream.pack_ids(ids)) == len(ids)
+    assert stream.pack_ids([1, 2, 3, 7, 9, 10]) == [[1, 3], 7, [9, 10]]
