@@ -7,6 +7,8 @@ JSONL export, with the process's memory.
    both through Django's full request stack (test client: routing, token auth, throttling, the DRF views), and
    both decoded by the reader (each JSONL line / each batch's body, the way rolloutctl.stream decodes it), as a
    trainer must. Rows/s and RSS growth of each (the process's peak RSS minus its RSS before that read).
+   With `--fields` (default: rolloutctl.stream.TRAIN_FIELDS), (c) a second consumer drains the same rows with
+   `&fields=...` (only what a trainer trains on), in the same run, beside (a) and (b).
 2. Latency: a writer thread stores rollouts the way the job sink does (its transaction: the job-row lock,
    COPY insert, counters), `--rate` rows/s in batches every `--flush-s`, while a consumer long-polls
    (wait=5) and acknowledges. Per rollout: the time the consumer had it - the time its batch committed.
@@ -66,13 +68,14 @@ def export_parsed(client, token, job_id) -> dict:
     return {"lines": n, "wall_s": time.perf_counter() - t0, "rss_growth": sampler.stop()}
 
 
-def drain(client, token, job_id, consumer, batch) -> dict:
+def drain(client, token, job_id, consumer, batch, fields: str = "") -> dict:
     sampler = RssSampler()
     sampler.start()
     auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
     t0 = time.perf_counter()
     n = batches = 0
-    params = {"consumer": consumer, "max": batch}
+    extra = {"fields": fields} if fields else {}
+    params = {"consumer": consumer, "max": batch, **extra}
     while True:  # each take acknowledges the batch before it (?ack=token), as rolloutctl.stream does
         r = client.get(f"/api/jobs/{job_id}/stream/", params, **auth)
         assert r.status_code == 200, r.content[:500]
@@ -81,7 +84,7 @@ def drain(client, token, job_id, consumer, batch) -> dict:
             break
         n += body["count"]
         batches += 1
-        params = {"consumer": consumer, "max": batch, "ack": body["token"]}
+        params = {"consumer": consumer, "max": batch, "ack": body["token"], **extra}
     wall = time.perf_counter() - t0
     return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop()}
 
@@ -189,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--flush-s", type=float, default=0.2, help="the writer's batch interval (the sink's flush)")
     ap.add_argument("--fill-fast-over", type=int, default=200_000,
                     help="sizes above this are filled by the database from 2,000 written rows (fill_fast)")
+    ap.add_argument("--fields", default="id,task_index,rollout_index,reward,weight_version,data",
+                    help="a third arm: the stream with ?fields=these (comma-separated); '' to leave it out")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
@@ -220,10 +225,11 @@ def main(argv=None):
             measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
             exp = export_parsed(client, token, job.pk)
             st = drain(client, token, job.pk, "drain", args.batch)
-            assert exp["lines"] == n and st["rows"] == n, (exp["lines"], st["rows"])
-            results.append((n, exp, st))
-            print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s", file=sys.stderr,
-                  flush=True)
+            lean = drain(client, token, job.pk, "drain-lean", args.batch, args.fields) if args.fields else None
+            assert exp["lines"] == n and st["rows"] == n and (lean is None or lean["rows"] == n), (exp["lines"], st["rows"])
+            results.append((n, exp, st, lean))
+            print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s"
+                  + (f", stream fields= {n / lean['wall_s']:,.0f} rows/s" if lean else ""), file=sys.stderr, flush=True)
 
         live = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="running", total_rollouts=10**8)
         lat = latency(client, token, live, args)
@@ -231,11 +237,16 @@ def main(argv=None):
         print(f"\nThroughput on {connection.vendor} (Django test client, full request stack; stream batches of "
               f"{args.batch}, each take acknowledging the batch before)\n")
         print(f"{'rollouts':>9} {'export rows/s':>14} {'stream rows/s':>14} {'stream/export':>14} "
-              f"{'export RSS MiB':>15} {'stream RSS MiB':>15}")
-        for n, exp, st in results:
+              f"{'export RSS MiB':>15} {'stream RSS MiB':>15}"
+              + (f" {'fields= rows/s':>15} {'fields=/export':>15} {'fields= RSS MiB':>16}" if args.fields else ""))
+        for n, exp, st, lean in results:
             print(f"{n:>9,} {n / exp['wall_s']:>14,.0f} {n / st['wall_s']:>14,.0f} "
                   f"{exp['wall_s'] / st['wall_s']:>14.2f} {exp['rss_growth'] / 2**20:>15.1f} "
-                  f"{st['rss_growth'] / 2**20:>15.1f}")
+                  f"{st['rss_growth'] / 2**20:>15.1f}"
+                  + (f" {n / lean['wall_s']:>15,.0f} {exp['wall_s'] / lean['wall_s']:>15.2f} "
+                     f"{lean['rss_growth'] / 2**20:>16.1f}" if lean else ""))
+        if args.fields:
+            print(f"fields= is ?fields={args.fields}")
         print(f"\nDelivery latency (batch committed -> consumer has it), {args.rate:.0f} rollouts/s stored in batches "
               f"every {args.flush_s} s for {args.latency_s:.0f} s, long-poll wait=5:")
         print(f"  {lat['n']:,} of {lat['stored']:,} delivered: p50 {lat['p50_ms']:.0f} ms, p95 {lat['p95_ms']:.0f} ms, "

@@ -44,6 +44,22 @@ class StreamQuerySerializer(serializers.Serializer):
     ack = serializers.RegexField(TOKEN_REGEX, max_length=64, required=False,
                                  help_text="Acknowledge this batch token first (as POST .../stream/ack/ would): one "
                                            "request per batch")
+    fields = serializers.CharField(
+        required=False, max_length=1000,
+        help_text="Only these fields of each rollout, comma-separated (`id` always comes); default all. A trainer "
+                  "that takes only what it trains on (e.g. `id,task_index,rollout_index,reward,weight_version,data`) "
+                  "gets smaller batches, faster. Which rollouts come, and the cursor, do not depend on it. Names: "
+                  "any of the `rollouts` fields below")
+
+    def validate_fields(self, value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        unknown = sorted({n for n in names if n not in ALL_FIELDS})
+        if unknown:
+            raise serializers.ValidationError(f"unknown field(s): {', '.join(unknown)}; "
+                                              f"known: {', '.join(ALL_FIELDS)}")
+        if not names:
+            raise serializers.ValidationError("name at least one field")
+        return [f for f in ALL_FIELDS if f == "id" or f in names]  # the documented order, once each
 
 
 class StreamRolloutSerializer(RolloutSerializer):
@@ -102,6 +118,7 @@ class StreamConsumersSerializer(serializers.Serializer):
 
 
 ROW_FIELDS = [f for f in StreamRolloutSerializer.Meta.fields if f not in ("data", "lag")]
+ALL_FIELDS = list(StreamRolloutSerializer.Meta.fields)  # what ?fields= may name; ROW_FIELDS + data + lag
 
 
 class _JobStreamView(ApiMixin, APIView):
@@ -122,35 +139,43 @@ class JobStreamView(_JobStreamView):
     def get(self, request, job_id: str):
         job = self.get_job(job_id)
         q = query_params(StreamQuerySerializer, request)
+        names = q.get("fields") or ALL_FIELDS
+        fields = [f for f in names if f != "lag"]  # lag is worked out here, not read
+        with_error, with_lag = "error" in names, "lag" in names
         try:
             if q.get("ack"):
                 stream.ack(job, q["consumer"], q["ack"])
             batch = stream.take(job, q["consumer"], max_n=q["max"], wait_s=q["wait"], groups=q["groups"],
-                                skip_equal=q["skip_equal"], fields=ROW_FIELDS)
+                                skip_equal=q["skip_equal"], fields=fields)
         except stream.StreamConflict as exc:
             raise Conflict(str(exc)) from exc
         # The body is written here, not by a serializer and the renderer: each row comes as the JSON text
         # PostgreSQL writes (its stored `data` never decoded and encoded again), read in the same pass that plans
         # the batch, and the body is one join of those texts (a ModelSerializer per row and the jsonb round trip
         # cost more than the rest of the request at 1,000 rows a batch). Same fields as StreamRolloutSerializer,
-        # which documents them.
-        rows = batch["rows"] if batch["rows"] is not None else stream.rows_json(batch["ids"], ROW_FIELDS)
+        # which documents them (?fields=: a subset of them).
+        rows = batch["rows"] if batch["rows"] is not None else stream.rows_json(batch["ids"], fields)
         current = batch["current_version"]
         head = {"job": job.pk, "consumer": q["consumer"], "token": batch["token"], "cursor": batch["cursor"],
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
                 "skipped_equal": batch["skipped_equal"], "current_version": current,
                 "groups": stream.group_ids(job, [r for r, _ in rows]) if q["groups"] else None}
-        lags: dict[str, str] = {}  # the tail of each weight version's rows: `"lag": n}`
+        lags: dict[str, str] = {}  # the tail of each weight version's rows: `, "lag": n}`
         parts = [_dumps(head)[:-1], ', "rollouts": [']
         user = request.user
         for i, (row, text) in enumerate(rows):
-            wv = row["weight_version"]
-            tail = lags.get(wv)
-            if tail is None:
-                lag = stream.lag_of(wv, current)
-                tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
-            error = row["error"]
-            parts += (", " if i else "", text, ', "error": ', _dumps(shown_for(user, error)) if error else '""', tail)
+            tail = "}"
+            if with_lag:
+                wv = row["weight_version"]
+                tail = lags.get(wv)
+                if tail is None:
+                    lag = stream.lag_of(wv, current)
+                    tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
+            if with_error:
+                error = row["error"]
+                parts += (", " if i else "", text, ', "error": ', _dumps(shown_for(user, error)) if error else '""', tail)
+            else:
+                parts += (", " if i else "", text, tail)
         parts.append("]}")
         return HttpResponse("".join(parts).encode(), content_type="application/json")
 

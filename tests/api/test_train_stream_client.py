@@ -54,3 +54,26 @@ def test_a_trainer_restarted_mid_batch_continues_exactly_once(live_server):
     writer.join()
     ok_ids = sorted(Rollout.objects.filter(job=job, status="ok").values_list("id", flat=True))
     assert len(ok_ids) == 39 and sorted(seen) == ok_ids and len(seen) == len(set(seen))
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_lean_trainer_gets_only_its_fields_exactly_once_across_a_restart(live_server):
+    from rolloutctl.stream import TRAIN_FIELDS
+
+    user = make_user("lean-owner", token=True)
+    job = make_job(user, make_dataset(user, n=5), make_endpoint(user), n_rollouts=20, state="completed")
+    ok = list(Rollout.objects.filter(job=job, status="ok").order_by("id").values_list("id", flat=True))
+    open_stream = lambda: RolloutStream(live_server.url, user.api_token, job.pk, "lean", max=6, wait=0.5,  # noqa: E731
+                                        fields=TRAIN_FIELDS)
+    seen = []
+    with pytest.raises(Killed):
+        for batch in open_stream().batches():
+            assert all(set(r) == set(TRAIN_FIELDS) for r in batch.rollouts)
+            if len(seen) >= 6:
+                raise Killed  # mid-batch: this one comes again
+            seen += [r["id"] for r in batch.rollouts]
+    for batch in open_stream().batches():
+        assert all(set(r) == set(TRAIN_FIELDS) for r in batch.rollouts)
+        seen += [r["id"] for r in batch.rollouts]
+    assert seen == ok

@@ -103,3 +103,51 @@ def test_pack_ids_round_trip():
         assert stream.unpack_ids(stream.pack_ids(ids)) == ids
         assert stream.packed_len(stream.pack_ids(ids)) == len(ids)
     assert stream.pack_ids([1, 2, 3, 7, 9, 10]) == [[1, 3], 7, [9, 10]]
+
+
+LEAN = ["id", "task_index", "rollout_index", "reward", "weight_version", "data"]
+
+
+def test_lean_rows_are_the_stored_values_field_for_field(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=8, state="running")
+    rows = list(Rollout.objects.filter(job=job).order_by("id"))
+    odd = 'quote " backslash \\ newline \n tab \t unicode é 漢 \u2028 end'
+    Rollout.objects.filter(pk=rows[0].pk).update(weight_version='7"' + odd, error="kept: " + odd)
+    Rollout.objects.filter(pk=rows[1].pk).update(reward=1e-300, data={"text": odd, "n": [1, 2.5, None, True]})
+    Rollout.objects.filter(pk=rows[2].pk).update(reward=None)  # inline verification: a row without a reward
+    stored = list(Rollout.objects.filter(job=job).order_by("id"))
+    for consumer, fields, want_keys in (
+        ("lean", ",".join(LEAN), set(LEAN)),
+        ("reward-only", "reward, data", {"id", "reward", "data"}),  # id always comes
+        ("no-data", "weight_version,lag,error", {"id", "weight_version", "lag", "error"}),
+    ):
+        first = _take(api, job, consumer, max=5, fields=fields)
+        again = _take(api, job, consumer, max=5, fields=fields)  # redelivered: read again by id, same rows
+        assert again["redelivered"] and again["rollouts"] == first["rollouts"]
+        rest = _take(api, job, consumer, max=5, fields=fields, ack=first["token"])
+        got_rows = first["rollouts"] + rest["rollouts"]
+        assert [r["id"] for r in got_rows] == [r.pk for r in stored]  # every row once, in order
+        for got, row in zip(got_rows, stored):
+            assert set(got) == want_keys, (consumer, set(got))
+            for f in want_keys - {"lag", "error"}:
+                assert got[f] == getattr(row, f), (consumer, f, got[f], getattr(row, f))
+            if "error" in want_keys:
+                assert got["error"] == shown_for(alice, row.error)
+            if "lag" in want_keys:
+                assert got["lag"] == stream.lag_of(row.weight_version, first["current_version"])
+    full = _take(api, job, "full", max=8)["rollouts"]  # the default: every field, as before
+    assert set(full[0]) == {*ROW_FIELDS, "data", "lag"}
+
+
+def test_unknown_or_blank_fields_are_refused(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=3, state="running")
+    for bad in ("id,reward,secret_column", "data,pk", "id;reward", "trajectory", " , "):
+        r = api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": "t", "fields": bad})
+        assert r.status_code == 400, (bad, r.content)
+        assert "fields" in r.json(), r.json()
+    assert api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": "t", "fields": ""}).status_code == 400
+    assert not StreamConsumer.objects.filter(job=job).exists()  # refused before anything was handed out
+    schema = api.get("/api/schema/", {"format": "json"})
+    assert schema.status_code == 200
+    params = schema.json()["paths"]["/api/jobs/{job_id}/stream/"]["get"]["parameters"]
+    assert "fields" in {p["name"] for p in params}
