@@ -1,11 +1,14 @@
-"""The OTLP exporter of workers/tracing.py, off the worker's CPU path: a subprocess (multiprocessing, spawn) that
-turns plain span tuples into SDK ReadableSpans, encodes them (protobuf) and sends them in batches with the SDK's
+"""The OTLP exporter of workers/tracing.py, off the worker's CPU path: a subprocess (a fresh interpreter that
+imports only this module: unlike multiprocessing's spawn it never re-runs the worker's __main__) that turns
+plain span tuples into SDK ReadableSpans, encodes them (protobuf) and sends them in batches with the SDK's
 OTLPSpanExporter.
 
 The worker side (`Exporter`) only puts lists of span tuples on a bounded queue: `put_nowait`, and a full queue
 drops the batch and counts its spans (`stats()["dropped"]`, logged) -- collection never waits on the exporter.
-The process is started lazily on the first batch, restarted if it died (what it held is lost), flushed and
-stopped at the worker process's exit (atexit), and stops by itself when its parent is gone.
+A thread pickles the batches into the process's stdin (length-prefixed frames); acks of flushes come back on
+its stdout. The process is started lazily on the first batch, restarted if it died (what it held is lost),
+flushed and stopped at the worker process's exit (atexit), and stops by itself when its stdin closes (the
+worker is gone).
 
 A span tuple (SPAN_FIELDS): (name, trace_id, span_id, parent_span_id or 0, kind (0 internal, 2 client),
 start_ns, end_ns, attributes dict, error ("" = ok), links ((trace_id, span_id), ...)); ids are ints.
@@ -16,10 +19,12 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.util  # before our atexit handler: multiprocessing's own (which kills daemon processes) runs after it
 import os
+import pickle
 import queue
+import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -44,44 +49,68 @@ class Exporter:
         self.dropped = 0  # spans dropped because the queue was full or the process died
         self.sent = 0  # spans handed to the process
         self.restarts = 0
-        self._proc = None
-        self._queue = None
-        self._acks = None
+        self._proc: subprocess.Popen | None = None
+        self._queue: queue.Queue | None = None
+        self._acks: queue.Queue | None = None
         self._pid = os.getpid()
         self._start_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._tokens = itertools.count(1)
 
     # ------------------------------------------------------------------ worker side
+    def _alive(self) -> bool:
+        proc = self._proc
+        return proc is not None and self._pid == os.getpid() and proc.poll() is None
+
     def _ensure(self) -> bool:
         """The process, started (or restarted) if needed; False when it cannot be started."""
-        proc = self._proc
-        if proc is not None and self._pid == os.getpid() and proc.is_alive():
+        if self._alive():
             return True
         with self._start_lock:
             if self._proc is not None and self._pid == os.getpid():
-                if self._proc.is_alive():
+                if self._proc.poll() is None:
                     return True
                 self.restarts += 1
                 log.warning(
-                    "tracing: the OTLP exporter process died (exit code %s); restarting it", self._proc.exitcode
+                    "tracing: the OTLP exporter process died (exit code %s); restarting it", self._proc.returncode
                 )
-            ctx = multiprocessing.get_context("spawn")
-            self._queue, self._acks = ctx.Queue(QUEUE_BATCHES), ctx.Queue()
-            self._proc = ctx.Process(
-                target=_serve,
-                args=(self._queue, self._acks, os.getpid(), *self.args),
-                name="otlp-exporter",
-                daemon=True,
-            )
-            self._pid = os.getpid()
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
             try:
-                self._proc.start()
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from workers.tracing_export import _main; _main()"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env,
+                    start_new_session=True,  # a Ctrl-C of the worker's terminal does not cut the final flush short
+                )
+                _write(proc.stdin, (os.getpid(), *self.args))
             except Exception:  # noqa: BLE001 (no exporter: spans are dropped and counted, the run goes on)
                 log.exception("tracing: cannot start the OTLP exporter process")
-                self._proc = None
                 return False
+            self._queue, self._acks, self._proc, self._pid = (
+                queue.Queue(QUEUE_BATCHES),
+                queue.Queue(),
+                proc,
+                os.getpid(),
+            )
+            threading.Thread(target=self._feed, args=(proc, self._queue), daemon=True, name="otlp-feed").start()
+            threading.Thread(target=_read_acks, args=(proc, self._acks), daemon=True, name="otlp-acks").start()
             return True
+
+    def _feed(self, proc: subprocess.Popen, q: queue.Queue) -> None:
+        """Pickle what is queued into the process's stdin (this thread may wait on the pipe; collection never)."""
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    proc.stdin.close()
+                    return
+                _write(proc.stdin, item)
+            except (OSError, ValueError):  # the process is gone: what was queued is lost
+                if isinstance(item, list):
+                    self.dropped += len(item)
+                return
 
     def send(self, spans: list[tuple]) -> bool:
         """Hand `spans` to the exporter process without waiting: False (and counted) when they are dropped."""
@@ -92,7 +121,7 @@ class Exporter:
             return False
         try:
             self._queue.put_nowait(spans)
-        except (queue.Full, ValueError, OSError):
+        except queue.Full:
             self.dropped += len(spans)
             return False
         self.sent += len(spans)
@@ -100,7 +129,7 @@ class Exporter:
 
     def flush(self, timeout_s: float) -> dict[str, Any] | None:
         """Wait (at most `timeout_s`) until the process has exported what was sent before; its counters, or None."""
-        if self._proc is None or self._pid != os.getpid() or not self._proc.is_alive():
+        if not self._alive():
             return None
         deadline = time.monotonic() + timeout_s
         with self._flush_lock:
@@ -109,9 +138,11 @@ class Exporter:
                 self._queue.put(("flush", token), timeout=max(0.01, deadline - time.monotonic()))
                 while True:
                     ack = self._acks.get(timeout=max(0.01, deadline - time.monotonic()))
+                    if ack is None:  # the process's stdout closed: it is gone
+                        return None
                     if ack[0] == token:
                         return ack[1]
-            except (queue.Full, queue.Empty, ValueError, OSError):
+            except (queue.Full, queue.Empty):
                 return None
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -120,14 +151,14 @@ class Exporter:
         if proc is None or self._pid != os.getpid():
             return
         try:
-            if proc.is_alive():
+            if proc.poll() is None:
                 self._queue.put(None, timeout=1.0)
-                proc.join(timeout_s)
+                proc.wait(timeout_s)
         except Exception:  # noqa: BLE001
             pass
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(1.0)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(1.0)
         self._proc = None
 
     def stats(self) -> dict[str, Any]:
@@ -175,6 +206,32 @@ def _stop_all() -> None:
             log.warning("tracing: %d spans were dropped (exporter queue full or process dead)", e.dropped)
 
 
+def _write(stream, obj) -> None:
+    data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def _read(stream):
+    """The next frame's object; EOFError at the end of the stream."""
+    head = stream.read(4)
+    if len(head) < 4:
+        raise EOFError
+    (n,) = struct.unpack("<I", head)
+    data = stream.read(n)
+    if len(data) < n:
+        raise EOFError
+    return pickle.loads(data)  # noqa: S301 (frames from our own process, over its own pipe)
+
+
+def _read_acks(proc: subprocess.Popen, acks: queue.Queue) -> None:
+    try:
+        while True:
+            acks.put(_read(proc.stdout))
+    except (EOFError, OSError, ValueError):
+        acks.put(None)
+
+
 def _forget_after_fork() -> None:  # a forked child (a Celery pool process) starts its own exporter
     global _lock
     _lock = threading.Lock()
@@ -185,7 +242,28 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 # ---------------------------------------------------------------------- the exporter process
-def _serve(q, acks, parent_pid: int, endpoint: str, headers: dict[str, str], service_name: str) -> None:
+def _main() -> None:
+    """The exporter process: frames from stdin (the first: parent pid, endpoint, headers, service name), acks of
+    flushes to stdout (this process's own prints go to stderr)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    stdin = sys.stdin.buffer
+    _parent, endpoint, headers, service_name = _read(stdin)
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        try:
+            while True:
+                q.put(_read(stdin))
+        except (EOFError, OSError, ValueError):
+            q.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="otlp-stdin").start()
+    _serve(q, lambda ack: _write(out, ack), endpoint, headers, service_name)
+
+
+def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) -> None:
     try:
         os.nice(EXPORTER_NICE)  # the spans yield the CPU to collection: on a busy host they wait, never the rollouts
     except OSError:
@@ -259,10 +337,10 @@ def _serve(q, acks, parent_pid: int, endpoint: str, headers: dict[str, str], ser
         ):
             export_pending()
         if isinstance(msg, tuple) and msg and msg[0] == "flush":
-            acks.put((msg[1], dict(counts)))
-        if os.getppid() != parent_pid:  # the worker is gone: nobody will send more
-            export_pending()
-            running = False
+            try:
+                ack((msg[1], dict(counts)))
+            except (OSError, ValueError):
+                pass
     if counts["failed"]:
         plog.warning("tracing: %d spans could not be exported to %s", counts["failed"], endpoint)
     otlp.shutdown()

@@ -25,9 +25,10 @@ def collector():
     col.close()
 
 
-def span(name: str, i: int = 1, error: str = "") -> tuple:
+def span(name: str, i: int = 1, error: str = "", pad: int = 0) -> tuple:
     now = time.time_ns()
-    return (name, 0xABC0 + i, 0x10 + i, 0x7, 2, now - 1000, now, {"n": i, "none": None}, error, ((0x1, 0x2),))
+    attributes = {"n": i, "none": None, **({"pad": "x" * pad} if pad else {})}
+    return (name, 0xABC0 + i, 0x10 + i, 0x7, 2, now - 1000, now, attributes, error, ((0x1, 0x2),))
 
 
 @pytest.mark.slow
@@ -43,7 +44,7 @@ def test_a_killed_exporter_is_restarted_and_spans_still_arrive(collector):
 
         first = exp.stats()["pid"]
         os.kill(first, signal.SIGKILL)
-        exp._proc.join(10)  # noqa: SLF001
+        exp._proc.wait(10)  # noqa: SLF001
         assert exp.send([span("b", 2)])
         assert exp.flush(20) is not None
         assert exp.stats()["restarts"] == 1 and exp.stats()["pid"] != first
@@ -63,12 +64,13 @@ def test_a_stalled_exporter_makes_the_worker_drop_and_count_never_wait(collector
         os.kill(pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            results = [exp.send([span("s", i) for i in range(10)]) for _ in range(50)]
+            # 50 batches of ~20 KB: more than the 2 queued batches and the 64 KB pipe hold
+            results = [exp.send([span("s", i, pad=2000) for i in range(10)]) for _ in range(50)]
             took = time.monotonic() - t0
         finally:
             os.kill(pid, signal.SIGCONT)
         assert took < 1.0
-        assert results.count(True) <= 2 and exp.dropped == 10 * results.count(False) >= 480
+        assert results.count(True) <= 8 and exp.dropped == 10 * results.count(False) >= 420
         assert exp.flush(20) is not None
         assert len(collector.by_name("s")) == 10 * results.count(True) == exp.sent - 1
     finally:
