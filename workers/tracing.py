@@ -1,8 +1,10 @@
 """OpenTelemetry spans of a run: job -> chunk -> rollout -> request (and verify), exported over OTLP/HTTP.
 
 Off by default. The engine asks `run_tracer(config)` once per run: None when tracing is off (the engine then
-only tests `is None` -- nothing of OpenTelemetry is imported or called), else a RunTracer. The SDK is imported
-lazily, on the first traced run, so a process that never traces never loads it.
+only tests `is None` -- nothing of OpenTelemetry is imported or called), else a RunTracer. The worker process
+never loads the SDK: spans are plain slots, then plain tuples handed to an exporter subprocess
+(workers/tracing_export.py) that builds, encodes and sends them -- the encoding (~0.1 ms of CPU per span) is
+off the worker's CPU path.
 
 Shape of the spans
 ------------------
@@ -18,23 +20,26 @@ Shape of the spans
 * verify: a child of the rollout span for the verification.
 
 Modes: "off"; "spans" (spans made, never exported: what tracing costs without an exporter); "otlp" (batched
-export to `endpoint`, an OTLP/HTTP traces URL such as http://collector:4318/v1/traces; flushed at the run's end).
+export to `endpoint`, an OTLP/HTTP traces URL such as http://collector:4318/v1/traces, by the exporter process;
+flushed at the run's end, bounded). A full queue to the exporter process drops spans and counts them: logged,
+and on the chunk span as `tracing.dropped_spans`; collection never waits on the exporter.
 The endpoint is the deployment's (a setting), never a user's.
 """
+
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("off", "spans", "otlp")
 FLUSH_TIMEOUT_MS = 5000
+BATCH_SPANS = 256  # span tuples of finished rollouts handed to the exporter process at once (or every second)
 
-_providers: dict[tuple, Any] = {}
-_providers_lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,29 +62,6 @@ def job_span_ids(job_key: str) -> tuple[str, str]:
     digest = hashlib.sha256(f"rollout-job:{job_key}".encode()).hexdigest()
     trace_id, span_id = digest[:32], digest[32:48]
     return (trace_id if trace_id.strip("0") else "1" * 32), (span_id if span_id.strip("0") else "1" * 16)
-
-
-def _provider(config: TraceConfig):
-    key = (config.mode, config.endpoint, config.service_name, tuple(sorted(config.headers.items())))
-    with _providers_lock:
-        provider = _providers.get(key)
-        if provider is None:
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-
-            provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
-            if config.mode == "otlp":
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-                from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-                provider.add_span_processor(BatchSpanProcessor(
-                    OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers) or None, timeout=10)))
-            _providers[key] = provider
-    return provider
-
-
-def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in attributes.items() if v is not None and v != ""}
 
 
 class _Span:
@@ -119,33 +101,29 @@ def sampled(trace_id: str, ratio: float) -> bool:
 
 class RunTracer:
     """The spans of one engine run (one chunk). Cheap by design: while a rollout runs its spans are a few slots
-    each (no SDK call); when it ends they become SDK ReadableSpans handed to the exporter's processor at once
-    (the SDK's own start_span costs ~10x more). Every method is quick and never raises into the engine."""
+    each; when it ends they become plain tuples (workers.tracing_export.SPAN_FIELDS), handed in batches to the
+    exporter process ("otlp"), which builds the SDK spans and encodes and sends them off this process's CPU, or
+    dropped ("spans"). Nothing of OpenTelemetry is imported here. Every method is quick and never raises."""
 
     def __init__(self, config: TraceConfig):
-        from opentelemetry import trace
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
-        self._ReadableSpan, self._SpanContext, self._Status, self._StatusCode = ReadableSpan, SpanContext, Status, StatusCode
-        self._flags = TraceFlags(TraceFlags.SAMPLED)
-        self._kinds = {0: SpanKind.INTERNAL, 2: SpanKind.CLIENT}
-        self._ok = Status(StatusCode.UNSET)
         self.config = config
         self.ratio = float(config.sample_ratio)
-        self.provider = _provider(config)
-        self._processor = self.provider._active_span_processor  # noqa: SLF001 (finished spans go straight here)
-        self._scope = InstrumentationScope("workers.engine")
-        tracer = self.provider.get_tracer("workers.engine")
-        parent = None
+        self._exporter = None
+        if config.mode == "otlp":
+            from workers.tracing_export import exporter
+
+            self._exporter = exporter(config.endpoint, config.headers, config.service_name)
+        self._dropped0 = self._exporter.dropped if self._exporter is not None else 0
         if config.job_key:
             job_trace, job_span = job_span_ids(config.job_key)
-            parent = trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
-                trace_id=int(job_trace, 16), span_id=int(job_span, 16), is_remote=True, trace_flags=self._flags)))
-        self.chunk = tracer.start_span("chunk", context=parent, attributes=_clean(dict(config.attributes)))
-        self._chunk_link = (Link(self.chunk.get_span_context()),)
+            self._chunk_trace, self._chunk_parent = int(job_trace, 16), int(job_span, 16)
+        else:
+            self._chunk_trace, self._chunk_parent = random.getrandbits(128) or 1, 0
+        self.chunk = _Span("chunk", time.time_ns(), dict(config.attributes))
+        self._chunk_link = ((self._chunk_trace, self.chunk.span_id),)
         self._rollouts: dict[int, _Rollout] = {}  # id(RolloutResult) -> its spans, while it runs
+        self._batch: list[tuple] = []
+        self._batch_t = time.monotonic()
 
     # ------------------------------------------------------------------ rollout
     def rollout_start(self, result, waited_s: float = 0.0) -> None:
@@ -153,8 +131,11 @@ class RunTracer:
         result.trace_id. A rollout outside the sample ratio records nothing."""
         if self.ratio < 1.0 and not sampled(result.trace_id, self.ratio):
             return
-        root = _Span("rollout", time.time_ns() - int(waited_s * 1e9),
-                     {"rollout.task_index": result.task_index, "rollout.rollout_index": result.rollout_index})
+        root = _Span(
+            "rollout",
+            time.time_ns() - int(waited_s * 1e9),
+            {"rollout.task_index": result.task_index, "rollout.rollout_index": result.rollout_index},
+        )
         self._rollouts[id(result)] = _Rollout(int(result.trace_id, 16), root)
 
     def rollout_end(self, result, abandoned: bool = False) -> None:
@@ -164,32 +145,61 @@ class RunTracer:
         root = rec.root
         root.end_ns = time.time_ns()
         attrs = root.attributes
-        attrs.update({"rollout.ok": bool(result.ok), "rollout.attempts": result.attempts,
-                      "rollout.failure_class": result.failure_class, "rollout.reward": result.reward,
-                      "gen_ai.usage.input_tokens": result.input_tokens, "gen_ai.usage.output_tokens": result.output_tokens,
-                      "rollout.replica": result.replica, "rollout.weight_version": result.weight_version,
-                      "rollout.queue_ms": result.queue_ms, "rollout.ttft_ms": result.ttft_ms,
-                      "rollout.generation_ms": result.generation_ms, "rollout.verify_ms": result.verify_ms,
-                      "rollout.wall_ms": result.wall_ms})
+        attrs.update(
+            {
+                "rollout.ok": bool(result.ok),
+                "rollout.attempts": result.attempts,
+                "rollout.failure_class": result.failure_class,
+                "rollout.reward": result.reward,
+                "gen_ai.usage.input_tokens": result.input_tokens,
+                "gen_ai.usage.output_tokens": result.output_tokens,
+                "rollout.replica": result.replica,
+                "rollout.weight_version": result.weight_version,
+                "rollout.queue_ms": result.queue_ms,
+                "rollout.ttft_ms": result.ttft_ms,
+                "rollout.generation_ms": result.generation_ms,
+                "rollout.verify_ms": result.verify_ms,
+                "rollout.wall_ms": result.wall_ms,
+            }
+        )
         if abandoned:
             attrs["rollout.abandoned"] = True
         elif not result.ok:
             root.error = (result.error or result.failure_class)[:200]
-        self._finish(rec, root, None, self._chunk_link)
-        for child in rec.children:
-            if not child.end_ns:
-                child.end_ns = root.end_ns
-                child.error = child.error or "unfinished"
-            self._finish(rec, child, root.span_id, ())
+        self._finish(rec)
 
-    def _finish(self, rec: _Rollout, span: _Span, parent_id: int | None, links) -> None:
-        ctx = self._SpanContext(rec.trace_id, span.span_id, False, self._flags)
-        parent = None if parent_id is None else self._SpanContext(rec.trace_id, parent_id, False, self._flags)
-        self._processor.on_end(self._ReadableSpan(
-            name=span.name, context=ctx, parent=parent, resource=self.provider.resource, attributes=_clean(span.attributes),
-            links=links, kind=self._kinds[span.kind], instrumentation_scope=self._scope,
-            status=self._Status(self._StatusCode.ERROR, span.error) if span.error else self._ok,
-            start_time=span.start_ns, end_time=span.end_ns))
+    def _finish(self, rec: _Rollout) -> None:
+        """The rollout's spans as tuples, into the batch for the exporter (sent every BATCH_ROLLOUTS or second)."""
+        root, trace_id = rec.root, rec.trace_id
+        batch = self._batch
+        batch.append(
+            (
+                root.name,
+                trace_id,
+                root.span_id,
+                0,
+                root.kind,
+                root.start_ns,
+                root.end_ns,
+                root.attributes,
+                root.error,
+                self._chunk_link,
+            )
+        )
+        for c in rec.children:
+            if not c.end_ns:
+                c.end_ns = root.end_ns
+                c.error = c.error or "unfinished"
+            batch.append(
+                (c.name, trace_id, c.span_id, root.span_id, c.kind, c.start_ns, c.end_ns, c.attributes, c.error, ())
+            )
+        if len(batch) >= BATCH_SPANS or time.monotonic() - self._batch_t >= 1.0:
+            self._send()
+
+    def _send(self) -> None:
+        batch, self._batch, self._batch_t = self._batch, [], time.monotonic()
+        if self._exporter is not None and batch:
+            self._exporter.send(batch)
 
     # ------------------------------------------------------------------ request / verify
     def child(self, result, name: str, attributes: dict[str, Any] | None = None) -> _Span | None:
@@ -217,23 +227,52 @@ class RunTracer:
 
     # ------------------------------------------------------------------ the run
     def close(self, summary=None) -> None:
-        """End what is still open and the chunk span, then flush the exporter (bounded)."""
+        """End what is still open and the chunk span, then flush the exporter process (bounded)."""
         for key in list(self._rollouts):
-            rec = self._rollouts.get(key)
+            rec = self._rollouts.pop(key, None)
             if rec is not None:
-                self._rollouts.pop(key, None)
                 rec.root.attributes["rollout.abandoned"] = True
                 rec.root.end_ns = time.time_ns()
-                self._finish(rec, rec.root, None, self._chunk_link)
+                self._finish(rec)
+        chunk = self.chunk
         if summary is not None:
-            self.chunk.set_attributes(_clean({
-                "run.completed": summary.completed, "run.failed": summary.failed, "run.cancelled": summary.cancelled,
-                "run.paused": summary.paused, "run.elapsed_s": summary.elapsed_s, "run.fatal_error": summary.fatal_error}))
+            chunk.attributes.update(
+                {
+                    "run.completed": summary.completed,
+                    "run.failed": summary.failed,
+                    "run.cancelled": summary.cancelled,
+                    "run.paused": summary.paused,
+                    "run.elapsed_s": summary.elapsed_s,
+                    "run.fatal_error": summary.fatal_error,
+                }
+            )
             if summary.fatal_error:
-                self.chunk.set_status(self._Status(self._StatusCode.ERROR, summary.fatal_error[:200]))
-        self.chunk.end()
-        if self.config.mode == "otlp":
-            self.provider.force_flush(FLUSH_TIMEOUT_MS)
+                chunk.error = summary.fatal_error[:200]
+        chunk.end_ns = time.time_ns()
+        if self._exporter is not None:
+            dropped = self._exporter.dropped - self._dropped0
+            if dropped:
+                chunk.attributes["tracing.dropped_spans"] = dropped
+                log.warning(
+                    "tracing: %d spans of this run were dropped (the exporter process's queue was full)", dropped
+                )
+        self._batch.append(
+            (
+                chunk.name,
+                self._chunk_trace,
+                chunk.span_id,
+                self._chunk_parent,
+                0,
+                chunk.start_ns,
+                chunk.end_ns,
+                chunk.attributes,
+                chunk.error,
+                (),
+            )
+        )
+        self._send()
+        if self._exporter is not None and self._exporter.flush(FLUSH_TIMEOUT_MS / 1000) is None:
+            log.warning("tracing: the exporter process did not confirm its flush within %d ms", FLUSH_TIMEOUT_MS)
 
 
 def run_tracer(config: TraceConfig | None) -> RunTracer | None:
@@ -243,25 +282,31 @@ def run_tracer(config: TraceConfig | None) -> RunTracer | None:
     return RunTracer(config)
 
 
-def export_job_span(config: TraceConfig, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
-                    error: str = "") -> bool:
-    """Export the job's own span (ids from job_span_ids(config.job_key)), parent of its chunks' spans. Its span id
-    is fixed, so it is built by hand rather than through the tracer (whose ids are random)."""
-    if not config.enabled or not config.job_key:
+def export_job_span(
+    config: TraceConfig, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None, error: str = ""
+) -> bool:
+    """Export the job's own span (ids from job_span_ids(config.job_key)), parent of its chunks' spans, through the
+    exporter process, and wait (bounded) until it is sent."""
+    if config.mode != "otlp" or not config.enabled or not config.job_key:
         return False
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+    from workers.tracing_export import exporter
 
-    provider = _provider(config)
     trace_hex, span_hex = job_span_ids(config.job_key)
-    span = ReadableSpan(
-        name="job", context=SpanContext(trace_id=int(trace_hex, 16), span_id=int(span_hex, 16), is_remote=False,
-                                        trace_flags=TraceFlags(TraceFlags.SAMPLED)),
-        parent=None, resource=provider.resource, attributes=_clean(dict(attributes or {})), kind=SpanKind.INTERNAL,
-        status=Status(StatusCode.ERROR, error[:200]) if error else Status(StatusCode.UNSET),
-        start_time=int(start_ns), end_time=int(end_ns))
-    processor = provider._active_span_processor  # noqa: SLF001 (the SDK has no public "export this span")
-    processor.on_end(span)
-    if config.mode == "otlp":
-        provider.force_flush(FLUSH_TIMEOUT_MS)
-    return True
+    exp = exporter(config.endpoint, config.headers, config.service_name)
+    sent = exp.send(
+        [
+            (
+                "job",
+                int(trace_hex, 16),
+                int(span_hex, 16),
+                0,
+                0,
+                int(start_ns),
+                int(end_ns),
+                dict(attributes or {}),
+                error[:200],
+                (),
+            )
+        ]
+    )
+    return sent and exp.flush(FLUSH_TIMEOUT_MS / 1000) is not None
