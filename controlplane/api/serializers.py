@@ -372,10 +372,10 @@ class JobSerializer(ShownToUser, serializers.ModelSerializer):
                   "owner", "created_at", "started_at", "finished_at", "last_progress_at"]
         read_only_fields = fields
 
-    @extend_schema_field(ProgressSerializer)
     def get_profile_servers(self, job) -> bool:
         return bool((job.collection_options or {}).get("profile_servers"))
 
+    @extend_schema_field(ProgressSerializer)
     def get_progress(self, job):
         return {"total": job.total_rollouts, "completed": job.completed_count, "failed": job.failed_count,
                 "done": job.done_count, "fraction": job.progress_fraction}

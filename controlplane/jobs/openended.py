@@ -4,7 +4,8 @@ buffer ahead of what the trainer's named stream consumer (controlplane.jobs.stre
 async-RL pattern (an orchestrator running ahead of its trainer), with exactly-once storage.
 
 The job's `open_ended` holds {"buffer", "shuffle", "seed", "consumer", "stride", "chunk_rows", "stopping"}.
-Chunks are made as they are needed, never all at creation: `top_up` adds the next chunk (the next `chunk_rows`
+Chunks are made as they are needed, never all at creation: `add_chunks` (services.top_up_open_ended) adds
+the next chunk (the next `chunk_rows`
 positions of the current pass, or the first of the next pass) while
 
     unconsumed + open_rows * R < buffer
@@ -16,7 +17,7 @@ C = chunk_rows * R, and only from below `buffer`, so at any time
 
     stored - consumed  <=  buffer + C - 1        (C = chunk_rows * R; chunk_rows = min(chunk_size, buffer // R))
 
-`top_up` runs when a chunk is done, when the consumer acknowledges a batch, at resume and from the watchdog's
+It runs when a chunk is done, when the consumer acknowledges a batch, at resume and from the watchdog's
 finalization path. Pass p's rollout indices are p * stride + occurrence * R + r, with stride =
 (the dataset's largest occurrence + 1) * R, so (task, repeat) - the exactly-once key - never repeats across passes
 and a stream group (task, rollout_index // R) is one pass's repeats of one row.
@@ -141,16 +142,15 @@ def _open_rows(job) -> int:
     )
 
 
-def top_up(job, launch: bool = True) -> list[int]:
-    """Add (and, when `launch`, dispatch) the next chunks while the buffer has room (the module's rule). Returns
-    the new chunks' ids. Under the job's row lock, so concurrent callers add each chunk once."""
-    from . import services
-
+def add_chunks(job) -> tuple[CollectionJob | None, list[int]]:
+    """Add the next chunks while the buffer has room (the module's rule): the job as locked and the new chunks'
+    ids (services.top_up_open_ended dispatches them). Under the job's row lock, so concurrent callers add each
+    chunk once."""
     with transaction.atomic():
         fresh = CollectionJob.objects.select_for_update().select_related("dataset").get(pk=job.pk)
         oe = fresh.open_ended
         if not oe or oe.get("stopping") or fresh.state not in JobState.RUNNABLE:
-            return []
+            return None, []
         R, rows, size = fresh.num_repeats, n_rows(fresh), oe["chunk_rows"]
         filled, open_rows = unconsumed(fresh), _open_rows(fresh)
         last = (
@@ -168,14 +168,12 @@ def top_up(job, launch: bool = True) -> list[int]:
             open_rows += end - start
             index, start = index + 1, end
         if not new:
-            return []
+            return None, []
         JobChunk.objects.bulk_create(new)
         added = sum(c.end_row - c.start_row for c in new) * R
         CollectionJob.objects.filter(pk=fresh.pk).update(total_rollouts=F("total_rollouts") + added)
         ids = list(JobChunk.objects.filter(job_id=fresh.pk, index__gte=new[0].index).values_list("pk", flat=True))
-        if launch:
-            services.dispatch_chunks(fresh, ids)
-    return ids
+    return fresh, ids
 
 
 def chunks_of(job, pairs) -> set[int]:
@@ -204,10 +202,9 @@ def chunks_of(job, pairs) -> set[int]:
     return out
 
 
-def stop(job) -> CollectionJob:
-    """Stop an open-ended job gracefully: no more chunks; those in flight finish; it completes with the last."""
-    from . import services
-
+def mark_stopping(job) -> tuple[CollectionJob, bool]:
+    """Mark an open-ended job stopping (no more chunks; those in flight finish): the job as locked, and whether
+    chunks are still open (none: services.stop_job completes it now)."""
     with transaction.atomic():
         fresh = CollectionJob.objects.select_for_update().get(pk=job.pk)
         if not fresh.open_ended:
@@ -217,11 +214,7 @@ def stop(job) -> CollectionJob:
         fresh.open_ended = {**fresh.open_ended, "stopping": True}
         fresh.save(update_fields=["open_ended"])
         open_chunks = JobChunk.objects.filter(job_id=fresh.pk).exclude(state=JobChunk.State.DONE).exists()
-    if not open_chunks:  # nothing in flight (the buffer was full): it completes now
-        services.finalize_job(fresh)
-    job.refresh_from_db()
-    services.publish_job_state(job)
-    return job
+    return fresh, open_chunks
 
 
 def is_waiting(job) -> bool:
@@ -236,13 +229,6 @@ def record_ack(consumer: StreamConsumer, n: int, now: float | None = None) -> li
     log = [e for e in (consumer.ack_log or []) if e[0] >= now - ACK_LOG_KEEP_S][-(ACK_LOG_MAX - 1) :]
     log.append([round(now, 3), n])
     return log
-
-
-def after_ack(job) -> None:
-    """A consumer's cursor moved (a batch acknowledged, failed or left-out rows passed): room in the buffer,
-    perhaps (top_up checks the job's state under its lock)."""
-    if job.open_ended:
-        top_up(job)
 
 
 def figures(job, now: float | None = None) -> dict | None:

@@ -262,10 +262,8 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard
     now = timezone.now()
     if not CHUNK_LEASE.held(chunk_id, lease).update(state=JobChunk.State.DONE, finished_at=now, heartbeat_at=now):
         return "lost_lease"
-    if job.open_ended:  # open-ended: the next chunks, as the buffer has room (openended.top_up)
-        from .openended import top_up
-
-        top_up(job, launch=redispatch)
+    if job.open_ended:  # open-ended: the next chunks, as the buffer has room
+        services.top_up_open_ended(job, launch=redispatch)
     if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
         services.finalize_job(job, launch=redispatch)
     return "done"
@@ -468,9 +466,7 @@ def watchdog(now=None, dispatch=True, broker_lost: bool | None = None) -> dict:
             report["redispatched"].extend(lost)
         elif not chunks.exclude(state=JobChunk.State.DONE).exists():
             if job.open_ended and not job.open_ended.get("stopping"):  # waits for its consumer: top up if it can
-                from .openended import top_up
-
-                top_up(job, launch=dispatch)
+                services.top_up_open_ended(job, launch=dispatch)
                 continue
             if dispatch:
                 services.dispatch_finalize(job)

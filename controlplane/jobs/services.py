@@ -26,6 +26,7 @@ from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
 
+from . import openended
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout, VerificationRun
 from .verifier_checks import check_dataset_fields, check_verifier
@@ -182,8 +183,6 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
         options["profile_servers"] = True
         profiling_enabled = True  # the job's profiling session holds the servers' windows
     n_rows = min(limit, dataset.row_count) if limit else dataset.row_count
-    from . import openended
-
     open_ended = openended.options_for(open_ended, dataset=dataset, limit=limit, num_repeats=num_repeats,
                                        chunk_size=chunk_size)
     with transaction.atomic():
@@ -201,7 +200,7 @@ def _create_job(*, owner, dataset, endpoint, limit=None, num_repeats=1, num_samp
             collection_options=options, open_ended=open_ended,
         )
         if open_ended:  # the first chunks, as many as the buffer takes (then as the consumer acknowledges)
-            openended.top_up(job, launch=launch)
+            top_up_open_ended(job, launch=launch)
             job.refresh_from_db(fields=["total_rollouts"])
             return job
         JobChunk.objects.bulk_create(
@@ -301,10 +300,31 @@ def cancel_job(job):
 
 def stop_job(job):
     """Stop an open-ended job: the chunks in flight finish, no more are made, and it completes with the last
-    (controlplane.jobs.openended.stop). InvalidTransition for another job (cancel it) or one not running."""
-    from . import openended
+    (controlplane.jobs.openended). InvalidTransition for another job (cancel it) or one not running."""
+    fresh, open_chunks = openended.mark_stopping(job)
+    if not open_chunks:  # nothing in flight (the buffer was full): it completes now
+        finalize_job(fresh)
+    job.refresh_from_db()
+    publish_job_state(job)
+    return job
 
-    return openended.stop(job)
+
+def top_up_open_ended(job, launch: bool = True) -> list[int]:
+    """An open-ended job's next chunks while its buffer has room (openended.add_chunks), dispatched when
+    `launch`. Returns their ids. Runs when a chunk is done, when the consumer's cursor moves, at resume and from
+    the watchdog; a job that is not open-ended, stopping or not runnable gets none."""
+    fresh, ids = openended.add_chunks(job)
+    if launch and ids:
+        with transaction.atomic():
+            dispatch_chunks(fresh, ids)
+    return ids
+
+
+def after_stream_ack(job) -> None:
+    """A consumer's cursor moved (a batch acknowledged, failed or left-out rows passed): room in an open-ended
+    job's buffer, perhaps (add_chunks checks the job's state under its lock)."""
+    if job.open_ended:
+        top_up_open_ended(job)
 
 
 def pause_job(job):
@@ -397,12 +417,10 @@ def finalize_job(job, launch=True):
     gets its exact pass (a batch verification run) in the same transaction, sent to a worker when `launch`
     (the CLI's inline runner runs it itself). Idempotent and safe to call from several workers at once.
     Returns the job (refreshed). An open-ended job that is not stopping runs on: its next chunks are added
-    instead, as its buffer has room (openended.top_up)."""
-    from . import openended
-
+    instead, as its buffer has room (top_up_open_ended)."""
     job.refresh_from_db(fields=["open_ended"])
     if openended.is_waiting(job):
-        openended.top_up(job, launch=launch)
+        top_up_open_ended(job, launch=launch)
         job.refresh_from_db()
         return job
     if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():

@@ -296,9 +296,9 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
         if stale:
             skipped_stale += settle_stale(job, stale)
         if not ids and passed:  # room in an open-ended job's buffer, perhaps
-            from .openended import after_ack
+            from . import services
 
-            after_ack(job)
+            services.after_stream_ack(job)
         if ids:
             return {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
                     "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current,
@@ -323,14 +323,16 @@ def ack(job, name: str, token: str) -> dict:
         if not c.pending_token or token != c.pending_token:
             raise StreamConflict("not the consumer's pending batch (taken again since, or never handed out)")
         n = packed_len(c.pending_ids)
-        from .openended import after_ack, record_ack
+        from .openended import record_ack
 
         c.cursor, c.delivered, c.acked_token = c.pending_cursor, c.delivered + n, token
         c.pending_token, c.pending_ids, c.pending_cursor = "", [], 0
         c.ack_log = record_ack(c, n)
         c.save(update_fields=["cursor", "delivered", "acked_token", "pending_token", "pending_ids", "pending_cursor",
                               "ack_log", "updated_at"])
-    after_ack(job)  # an open-ended job: room in its buffer now, perhaps
+    from . import services
+
+    services.after_stream_ack(job)  # an open-ended job: room in its buffer now, perhaps
     return {"cursor": c.cursor, "acked": n, "delivered": c.delivered}
 
 
