@@ -406,7 +406,8 @@ SPECTACULAR_SETTINGS = {
     # Every free-text string's schema says DRF refuses NUL characters (and lone surrogates).
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
                              "controlplane.api.schema_hooks.strings_refuse_nul",
-                             "controlplane.api.schema_hooks.at_least_one_of"],
+                             "controlplane.api.schema_hooks.at_least_one_of",
+                             "controlplane.api.schema_hooks.partial_responses"],
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
                             "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
                             "PauseModeEnum": "workers.admin.ops.PAUSE_MODES",

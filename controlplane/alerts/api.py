@@ -88,7 +88,7 @@ class WebhookDeliveriesView(_Base):
 
 
 class GateFailedSerializer(StrictJSONTypes, serializers.Serializer):
-    reason = serializers.CharField(max_length=2000, allow_blank=True)
+    reason = serializers.CharField(max_length=2000, allow_blank=True, trim_whitespace=False)  # maxLength as sent
 
 
 class JobGateFailedView(_Base):

@@ -57,3 +57,16 @@ def at_least_one_of(result, generator, request, public):
                     if body and any(c.get("schema", {}).get("$ref") in refs for c in body.get("content", {}).values()):
                         body["required"] = True
     return result
+
+
+# Response components whose objects may carry only some of their fields (the stream's ?fields=): only these
+# are always there.
+PARTIAL_RESPONSES = {"StreamRollout": ["id"]}
+
+
+def partial_responses(result, generator, request, public):
+    schemas = result.get("components", {}).get("schemas", {})
+    for name, always in PARTIAL_RESPONSES.items():
+        if name in schemas:
+            schemas[name]["required"] = always
+    return result

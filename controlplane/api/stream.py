@@ -24,6 +24,10 @@ from .serializers import FiniteFloatField, RolloutSerializer
 
 CONSUMER_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 TOKEN_REGEX = r"^[0-9a-f]{1,64}$"
+# what a stream row holds (a rollout less its trajectory, plus the lag) and what ?fields= may name, comma-separated
+STREAM_FIELDS = [*(f for f in RolloutSerializer.Meta.fields if f != "trajectory"), "lag"]
+_NAME = "(?:" + "|".join(STREAM_FIELDS) + ")"
+FIELDS_REGEX = rf"^ *{_NAME} *(?:, *{_NAME} *)*$"
 
 
 def _consumer_field(**kw):
@@ -44,8 +48,8 @@ class StreamQuerySerializer(serializers.Serializer):
     ack = serializers.RegexField(TOKEN_REGEX, max_length=64, required=False,
                                  help_text="Acknowledge this batch token first (as POST .../stream/ack/ would): one "
                                            "request per batch")
-    fields = serializers.CharField(
-        required=False, max_length=1000,
+    fields = serializers.RegexField(
+        FIELDS_REGEX, required=False, max_length=1000,
         help_text="Only these fields of each rollout, comma-separated (`id` always comes); default all. A trainer "
                   "that takes only what it trains on (e.g. `id,task_index,rollout_index,reward,weight_version,data`) "
                   "gets smaller batches, faster. Which rollouts come, and the cursor, do not depend on it. Names: "
@@ -67,7 +71,7 @@ class StreamRolloutSerializer(RolloutSerializer):
     trajectory = None  # derived from `data`, which a trainer gets whole; the database writes the stream's rows
 
     class Meta(RolloutSerializer.Meta):
-        fields = [*(f for f in RolloutSerializer.Meta.fields if f != "trajectory"), "lag"]
+        fields = STREAM_FIELDS
         read_only_fields = fields
 
     def get_lag(self, obj) -> int | None:
