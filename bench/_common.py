@@ -3,8 +3,10 @@ wrapper that writes a report when the worker stops (bench/yappi_worker.py, bench
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -73,3 +75,29 @@ def celery_worker_reporting(dump: Callable[[Path, str], None], setup: Callable[[
     finally:
         atexit.unregister(dump)
         dump(out, tag)
+
+
+@contextmanager
+def throwaway_api(name: str, row_count: int):
+    """A throwaway test database (`<name>_<pid>`, dropped on exit; Django set up by the caller) holding a user,
+    its API token, a ready dataset of `row_count` rows and an endpoint, with the API's throttles off: yields
+    (user, token, dataset, endpoint)."""
+    from django.conf import settings
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = f"{name}_{os.getpid()}"
+    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
+    try:
+        from controlplane.api.auth import issue_token
+        from controlplane.datasets.models import Dataset
+        from controlplane.endpoints.models import Endpoint
+
+        settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": None, "anon": None}}
+        user = get_user_model().objects.create_user("bench", password="x")
+        token = issue_token(user)[0]
+        ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=row_count)
+        ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
+        yield user, token, ds, ep
+    finally:
+        connection.creation.destroy_test_db(old_name, verbosity=0)

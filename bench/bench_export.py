@@ -35,9 +35,10 @@ import django  # noqa: E402
 django.setup()
 
 import psutil  # noqa: E402
-from django.conf import settings  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.test import Client  # noqa: E402
+
+from bench._common import throwaway_api  # noqa: E402
 
 TEXT = ("Let me work through this step by step. First I add the tens, then the units, and I carry the one "
         "where needed so that the final sum comes out right. ") * 4
@@ -121,22 +122,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
 
-    db = settings.DATABASES["default"]
-    db.setdefault("TEST", {})["NAME"] = f"bench_export_{os.getpid()}"
-    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
-    try:
-        from django.contrib.auth import get_user_model
-        from controlplane.api.auth import issue_token
-
-        from controlplane.datasets.models import Dataset
-        from controlplane.endpoints.models import Endpoint
+    with throwaway_api("bench_export", max(sizes)) as (user, token, ds, ep):
         from controlplane.jobs.models import CollectionJob
 
-        settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": None, "anon": None}}
-        user = get_user_model().objects.create_user("bench", password="x")
-        token = issue_token(user)[0]
-        ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=max(sizes))
-        ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
         client = Client()
         results = []
         for n in sizes:
@@ -164,8 +152,6 @@ def main(argv=None):
             print(f"\n{n1 // n0}x the rows, {b['bytes'] / a['bytes']:.1f}x the bytes: python peak x"
                   f"{b['py_peak'] / max(1, a['py_peak']):.2f}, RSS growth {a['rss_growth'] / 2**20:.1f} -> "
                   f"{b['rss_growth'] / 2**20:.1f} MiB")
-    finally:
-        connection.creation.destroy_test_db(old_name, verbosity=0)
 
 
 if __name__ == "__main__":

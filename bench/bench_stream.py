@@ -37,10 +37,10 @@ import django  # noqa: E402
 
 django.setup()
 
-from django.conf import settings  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 from django.test import Client  # noqa: E402
 
+from bench._common import throwaway_api  # noqa: E402
 from bench.bench_export import RssSampler, fill_job, make_row, measure_export  # noqa: E402
 try:  # as the trainer's client decodes a batch (before it had decode_batch: requests' .json(), json.loads)
     from rolloutctl.stream import decode_batch  # noqa: E402
@@ -197,22 +197,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
-    db = settings.DATABASES["default"]
-    db.setdefault("TEST", {})["NAME"] = f"bench_stream_{os.getpid()}"
-    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
-    try:
-        from django.contrib.auth import get_user_model
-
-        from controlplane.api.auth import issue_token
-        from controlplane.datasets.models import Dataset
-        from controlplane.endpoints.models import Endpoint
+    with throwaway_api("bench_stream", max(sizes or [1])) as (user, token, ds, ep):
         from controlplane.jobs.models import CollectionJob
 
-        settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": None, "anon": None}}
-        user = get_user_model().objects.create_user("bench", password="x")
-        token = issue_token(user)[0]
-        ds = Dataset.objects.create(owner=user, name="bench", status="ready", row_count=max(sizes or [1]))
-        ep = Endpoint.objects.create(owner=user, name="bench", base_url="http://127.0.0.1:9", model_name="m")
         client = Client()
         results = []
         for n in sizes:
@@ -251,8 +238,6 @@ def main(argv=None):
               f"every {args.flush_s} s for {args.latency_s:.0f} s, long-poll wait=5:")
         print(f"  {lat['n']:,} of {lat['stored']:,} delivered: p50 {lat['p50_ms']:.0f} ms, p95 {lat['p95_ms']:.0f} ms, "
               f"max {lat['max_ms']:.0f} ms")
-    finally:
-        connection.creation.destroy_test_db(old_name, verbosity=0)
 
 
 if __name__ == "__main__":
