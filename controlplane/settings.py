@@ -206,6 +206,9 @@ CELERY_TASK_ROUTES = ("controlplane.lanes.route_task",)
 CELERY_BEAT_SCHEDULE = {
     # Re-dispatch chunks whose worker died (stale lease), flag stalled jobs, finalize stragglers.
     "jobs-watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": env.float("JOBS_WATCHDOG_INTERVAL_S", default=10.0)},
+    # Running jobs' MLflow series, appended while they run (controlplane/exports/mlflow_export.py; no query when
+    # MLFLOW_TRACKING_URIS is empty).
+    "mlflow-live": {"task": "controlplane.exports.tasks.mlflow_live_task", "schedule": env.float("MLFLOW_LIVE_INTERVAL_S", default=15.0)},
 }
 
 # --- Tracing (workers/tracing.py) -----------------------------------------------------------------
@@ -228,6 +231,8 @@ MLFLOW_EXPERIMENT_NAME = env("MLFLOW_EXPERIMENT_NAME", default="rollout-collecti
 # name=location of a new experiment's artifacts per server (default: beside a SQLite store; a server's own choice)
 MLFLOW_ARTIFACT_LOCATIONS = env.dict("MLFLOW_ARTIFACT_LOCATIONS", default={})
 MLFLOW_TABLE_ROWS = env.int("MLFLOW_TABLE_ROWS", default=100)  # rollouts in the run's sampled table
+# A second of a running job's series goes to MLflow this long after it ended (its samples are all stored by then).
+MLFLOW_LIVE_LAG_S = env.float("MLFLOW_LIVE_LAG_S", default=5.0)
 
 # --- Jobs runtime -----------------------------------------------------------------------------
 # A chunk whose worker has not heartbeated for this long is handed out again (SIGKILLed worker).

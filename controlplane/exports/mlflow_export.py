@@ -7,8 +7,11 @@ names one of the deployment's tracking servers (setting MLFLOW_TRACKING_URIS, na
 exact URI; anything else is refused: a user-supplied URI would let a user make the workers write files where
 they please or call any address. The job stores the name, resolved to the URI only when the run is exported.
 
-The series are written when the job ends, from the stored samples (timestamps as they were recorded), not
-streamed while it runs.
+Live: while the job runs, a beat task on the control lane (`live_tick`, every MLFLOW_LIVE_INTERVAL_S) opens the
+run and appends each second of the series once every sample of that second is stored (MLFLOW_LIVE_LAG_S later);
+the job's end appends the rest, the aggregates and the artifacts, and closes the run. Each second is written
+exactly once: a writer first moves the job's cursor (`mlflow_live.until`, the first second not yet written) with
+a conditional UPDATE, and writes only the seconds it moved past.
 """
 from __future__ import annotations
 
@@ -16,18 +19,22 @@ import logging
 import math
 from pathlib import Path
 from collections import defaultdict
+from datetime import timedelta
 
 from django.conf import settings
+from django.utils import timezone
 
 from controlplane.diagnostics.services import diagnosis_payload, job_config
 from controlplane.jobs.figures import job_figures
-from controlplane.jobs.models import CollectionJob, JobMetricSample, Rollout
+from controlplane.jobs.models import CollectionJob, JobMetricSample, JobState, Rollout
 from controlplane.jobs.services import mlflow_targets
 
 log = logging.getLogger(__name__)
 
 OPTION = "mlflow"  # collection_options key: the tracking server's name
 RUN_ID = "mlflow_run_id"  # collection_options key: the run, once exported
+LIVE = "mlflow_live"  # collection_options key while the run is open: {"run_id", "until": first second not written}
+FINAL = "final"  # the cursor's value once the job's end has taken the rest
 
 
 def targets() -> dict[str, str]:
@@ -68,13 +75,20 @@ def _key(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-. :/" else "_" for c in name)[:250]
 
 
-def series(job) -> dict[str, list[tuple[int, int, float]]]:
+def series(job, since: int = 0, until: int | None = None) -> dict[str, list[tuple[int, int, float]]]:
     """metric -> [(step = second of the job, timestamp ms, value)]: rates summed over the job's workers in each
-    second, errors summed, reward the mean of the rollouts stored in that second."""
+    second, errors summed, reward the mean of the rollouts stored in that second. Seconds since <= s < until
+    (until None: to the end); second 0 takes anything stamped before the job's start."""
     t0 = job.started_at or job.created_at
+    window = {}
+    if since > 0:
+        window["gte"] = t0 + timedelta(seconds=since)
+    if until is not None:
+        window["lt"] = t0 + timedelta(seconds=until)
     buckets: dict[int, dict] = defaultdict(lambda: defaultdict(float))
     stamp: dict[int, int] = {}
-    for t, sps, tps, in_flight, errors in (JobMetricSample.objects.filter(job_id=job.pk).order_by("t")
+    samples = JobMetricSample.objects.filter(job_id=job.pk, **{f"t__{k}": v for k, v in window.items()})
+    for t, sps, tps, in_flight, errors in (samples.order_by("t")
                                            .values_list("t", "samples_per_s", "output_tokens_per_s", "in_flight", "errors")
                                            .iterator(chunk_size=2000)):
         sec = max(0, int((t - t0).total_seconds()))
@@ -85,7 +99,8 @@ def series(job) -> dict[str, list[tuple[int, int, float]]]:
         b["errors"] += sum(v for v in (errors or {}).values() if isinstance(v, (int, float)))
         stamp.setdefault(sec, int(t.timestamp() * 1000))
     rewards: dict[int, list[float]] = defaultdict(list)
-    for t, reward in (Rollout.objects.filter(job_id=job.pk, reward__isnull=False).values_list("created_at", "reward")
+    rows = Rollout.objects.filter(job_id=job.pk, reward__isnull=False, **{f"created_at__{k}": v for k, v in window.items()})
+    for t, reward in (rows.values_list("created_at", "reward")
                       .iterator(chunk_size=5000)):
         sec = max(0, int((t - t0).total_seconds()))
         rewards[sec].append(reward)
@@ -129,21 +144,16 @@ def _output_text(data) -> str:
     return "\n".join(parts)
 
 
-def export_job(job) -> str | None:
-    """Write the job's MLflow run (once: the run id is kept in collection_options). Returns the run id, or None
-    when the job asked for none."""
-    opts = job.collection_options or {}
-    name = opts.get(OPTION)
-    if not name or opts.get(RUN_ID):
-        return opts.get(RUN_ID)
-    uri = targets().get(name)
-    if not uri:
-        log.warning("job %s: MLflow server %r is no longer configured", job.pk, name)
-        return None
-    from mlflow.entities import Metric, Param, RunTag
+def _client(uri):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _open_run(client, job, name: str, uri: str) -> str:
+    """A new run for the job, with its tags and parameters."""
+    from mlflow.entities import Param, RunTag
+
     exp_name = getattr(settings, "MLFLOW_EXPERIMENT_NAME", "rollout-collection")
     exp = client.get_experiment_by_name(exp_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(exp_name, artifact_location=artifact_location(name, uri))
@@ -153,25 +163,122 @@ def export_job(job) -> str | None:
                                   "rollouts.endpoint": job.endpoint.name if job.endpoint_id else "",
                                   "rollouts.dataset": job.dataset.name if job.dataset_id else ""})
     rid = run.info.run_id
+    params = {"model": getattr(job.endpoint, "model", ""), "num_repeats": job.num_repeats,
+              "num_samples_in_parallel": job.num_samples_in_parallel, "parallelism_auto": job.parallelism_auto,
+              "total_rollouts": job.total_rollouts, "verifier_options": job.verifier_options or {},
+              "responses_create_params": job.responses_create_params or {}, **job_config(job)}
+    client.log_batch(rid, params=[Param(_key(k), str(v)[:6000]) for k, v in params.items() if v not in (None, "")],
+                     tags=[RunTag("mlflow.note.content", f"Rollout collection job {job.pk}")])
+    return rid
+
+
+def _options(job_id) -> dict:
+    return CollectionJob.objects.filter(pk=job_id).values_list("collection_options", flat=True).first() or {}
+
+
+def _move_cursor(job_id, to) -> tuple[str, int] | None:
+    """Move the live run's cursor to `to` (a second, or FINAL): (run id, the second it was at) for the caller to
+    write from there, or None when there is no live run or nothing to write. Conditional on the cursor's value,
+    so two writers (a tick and the job's end) never write the same second."""
+    for _ in range(5):
+        opts = _options(job_id)
+        live = opts.get(LIVE)
+        if not isinstance(live, dict) or live.get("until") == FINAL:
+            return None
+        at = int(live.get("until") or 0)
+        if to != FINAL and to <= at:
+            return None
+        # collection_options is written whole; nothing else writes it while the job runs (the drop-in command
+        # sets it before the first chunk)
+        moved = CollectionJob.objects.filter(pk=job_id, **{f"collection_options__{LIVE}__until": live.get("until")}).update(
+            collection_options={**opts, LIVE: {**live, "until": to}})
+        if moved:
+            return live["run_id"], at
+    return None
+
+
+def _log_series(client, rid: str, job, since: int, until: int | None) -> int:
+    from mlflow.entities import Metric
+
+    metrics = [Metric(_key(name_), value, ts, step) for name_, points in series(job, since, until).items()
+               for step, ts, value in points]
+    for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+        client.log_batch(rid, metrics=metrics[i:i + 1000])
+    return len(metrics)
+
+
+def live_tick(now=None) -> dict:
+    """The beat task's body: for every running job that asked for MLflow, open its run (first tick) and append
+    the seconds whose samples are all stored. Nothing is queried when no tracking server is configured."""
+    known = targets()
+    if not known:
+        return {"jobs": 0, "points": 0}
+    now = now or timezone.now()
+    lag = float(getattr(settings, "MLFLOW_LIVE_LAG_S", 5.0))
+    done = {"jobs": 0, "points": 0}
+    jobs = (CollectionJob.objects.filter(state=JobState.RUNNING, collection_options__has_key=OPTION)
+            .select_related("endpoint", "dataset"))
+    for job in jobs:
+        name = (job.collection_options or {}).get(OPTION)
+        uri = known.get(name)
+        if not uri or (job.collection_options or {}).get(RUN_ID):
+            continue
+        try:
+            client = _client(uri)
+            if LIVE not in (job.collection_options or {}):
+                rid = _open_run(client, job, name, uri)
+                opened = CollectionJob.objects.filter(pk=job.pk).exclude(collection_options__has_key=LIVE).update(
+                    collection_options={**job.collection_options, LIVE: {"run_id": rid, "until": 0}})
+                if not opened:  # another tick opened one first
+                    client.delete_run(rid)
+            t0 = job.started_at or job.created_at
+            until = int((now - t0).total_seconds() - lag)
+            claim = _move_cursor(job.pk, until) if until > 0 else None
+            if claim:
+                rid, since = claim
+                done["points"] += _log_series(client, rid, job, since, until)
+                done["jobs"] += 1
+        except Exception:  # noqa: BLE001 - a tracker being down never fails the job; the end writes what is left
+            log.exception("job %s: live MLflow metrics failed", job.pk)
+    return done
+
+
+def export_job(job) -> str | None:
+    """Close the job's MLflow run (or write it whole when no live tick opened it): the series' remaining seconds,
+    aggregates, figures, artifacts. Once: the run id is kept in collection_options. Returns the run id, or None
+    when the job asked for none."""
+    opts = job.collection_options or {}
+    name = opts.get(OPTION)
+    if not name or opts.get(RUN_ID):
+        return opts.get(RUN_ID)
+    uri = targets().get(name)
+    if not uri:
+        log.warning("job %s: MLflow server %r is no longer configured", job.pk, name)
+        return None
+    from mlflow.entities import Metric, RunTag
+
+    client = _client(uri)
+    claim = _move_cursor(job.pk, FINAL) if LIVE in opts else None
+    if claim:
+        rid, since = claim
+    else:
+        if LIVE in opts and (_options(job.pk).get(LIVE) or {}).get("until") == FINAL:
+            return None  # another export is closing this run
+        rid, since = _open_run(client, job, name, uri), 0
+    start = job.started_at or job.created_at
+    end_ms = int((job.finished_at or start).timestamp() * 1000)
     try:
-        params = {"model": getattr(job.endpoint, "model", ""), "num_repeats": job.num_repeats,
-                  "num_samples_in_parallel": job.num_samples_in_parallel, "parallelism_auto": job.parallelism_auto,
-                  "total_rollouts": job.total_rollouts, "verifier_options": job.verifier_options or {},
-                  "responses_create_params": job.responses_create_params or {}, **job_config(job)}
-        client.log_batch(rid, params=[Param(_key(k), str(v)[:6000]) for k, v in params.items() if v not in (None, "")],
-                         tags=[RunTag("mlflow.note.content", f"Rollout collection job {job.pk}: {job.state}")])
-        metrics = []
-        for name_, points in series(job).items():
-            metrics += [Metric(_key(name_), value, ts, step) for step, ts, value in points]
-        end_ms = int((job.finished_at or start).timestamp() * 1000)
+        client.set_tag(rid, "rollouts.state", str(job.state))
+        client.log_batch(rid, tags=[RunTag("mlflow.note.content", f"Rollout collection job {job.pk}: {job.state}")])
+        _log_series(client, rid, job, since, None)
         finals: dict[str, float] = {}
         _flat("", job.aggregate_metrics or {}, finals)
         summary: dict[str, float] = {}
         _flat("", job_figures(job), summary)
         _flat("timing", job.timing_summary or {}, summary)
-        metrics += [Metric(_key(f"aggregate.{k}"), v, end_ms, 0) for k, v in finals.items()]
+        metrics = [Metric(_key(f"aggregate.{k}"), v, end_ms, 0) for k, v in finals.items()]
         metrics += [Metric(_key(f"job.{k}"), v, end_ms, 0) for k, v in summary.items()]
-        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+        for i in range(0, len(metrics), 1000):
             client.log_batch(rid, metrics=metrics[i:i + 1000])
         diagnosis = diagnosis_payload(job)
         client.log_dict(rid, diagnosis, "diagnosis.json")
@@ -180,6 +287,8 @@ def export_job(job) -> str | None:
         client.set_terminated(rid, status="FAILED")
         raise
     client.set_terminated(rid, status="FINISHED" if str(job.state) == "completed" else "FAILED", end_time=end_ms)
-    job.collection_options = {**opts, RUN_ID: rid}
+    latest = _options(job.pk)
+    latest.pop(LIVE, None)
+    job.collection_options = {**latest, RUN_ID: rid}
     CollectionJob.objects.filter(pk=job.pk).update(collection_options=job.collection_options)
     return rid

@@ -1,4 +1,4 @@
-"""Exports of a finished job, off the request path: the OpenTelemetry job span and the MLflow run."""
+"""Exports of a job, off the request path: the OpenTelemetry job span and the MLflow run (live while it runs)."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +29,12 @@ def export_job_task(job_id: int) -> dict:
     except Exception:  # noqa: BLE001
         log.exception("job %s: MLflow export failed", job_id)
     return out
+
+
+@shared_task(name="controlplane.exports.tasks.mlflow_live_task", ignore_result=True)
+def mlflow_live_task() -> dict:
+    """Beat (control lane): append the running jobs' MLflow series while they run."""
+    return mlflow_export.live_tick()
 
 
 def wanted(info: dict) -> bool:

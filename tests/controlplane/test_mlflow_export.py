@@ -6,6 +6,7 @@ import json
 
 import pytest
 from django.core.exceptions import ValidationError
+from django.utils import timezone
 
 from controlplane.exports import tasks as export_tasks
 from controlplane.exports.mlflow_export import export_job
@@ -129,3 +130,65 @@ def test_rolloutctl_run_sends_the_mlflow_option_only_when_given():
     assert c.body["mlflow_tracking_uri"] == "team"
     do_submit(c, build_parser().parse_args(["run", "--dataset-id", "1", "--endpoint", "2"]))
     assert "mlflow_tracking_uri" not in c.body
+
+
+@pytest.mark.django_db
+def test_series_go_to_mlflow_while_the_job_runs_each_second_once(tracking):
+    from mlflow.tracking import MlflowClient
+
+    from controlplane.exports.mlflow_export import FINAL, LIVE, RUN_ID, _move_cursor, live_tick
+    from controlplane.jobs.models import JobMetricSample, Rollout
+    from controlplane.lanes import is_control
+
+    owner = make_user("ml-live")
+    job = make_job(owner, ingest_dataset(owner), make_endpoint(owner), n_rollouts=40, state="running", name="live")
+    job.collection_options = {"mlflow": "local"}
+    job.save(update_fields=["collection_options"])
+    t0 = job.started_at
+    JobMetricSample.objects.filter(job=job).delete()
+    for sec in range(20):  # one sample per second of the job, samples/s = its second
+        JobMetricSample.objects.create(job=job, worker="w1", t=t0 + timezone.timedelta(seconds=sec + 0.5),
+                                       samples_per_s=float(sec), output_tokens_per_s=9.0 * sec)
+    for r in Rollout.objects.filter(job=job):  # rollout i stored in second i % 20
+        Rollout.objects.filter(pk=r.pk).update(created_at=t0 + timezone.timedelta(seconds=r.task_index % 20 + 0.25))
+    c = MlflowClient(tracking_uri=tracking)
+
+    def history(name):
+        return [(p.step, p.value) for p in sorted(c.get_metric_history(run_id, name), key=lambda p: p.step)]
+
+    # 12.5 s into the job, lag 5 s: seconds 0-6 are written, the run is open
+    assert live_tick(now=t0 + timezone.timedelta(seconds=12.5)) == {"jobs": 1, "points": 7 * 5}  # 4 series + reward
+    run_id = CollectionJob.objects.get(pk=job.pk).collection_options[LIVE]["run_id"]
+    assert c.get_run(run_id).info.status == "RUNNING"
+    assert history("samples_per_s") == [(s, float(s)) for s in range(7)]
+    assert live_tick(now=t0 + timezone.timedelta(seconds=12.9))["points"] == 0  # nothing new: nothing written twice
+    assert _move_cursor(job.pk, 5) is None  # a late writer cannot move the cursor back
+    assert live_tick(now=t0 + timezone.timedelta(seconds=20))["points"] == 8 * 5  # seconds 7-14
+    assert history("output_tokens_per_s") == [(s, 9.0 * s) for s in range(15)]
+
+    # the job ends: the rest of the series, the aggregates, the run closed; each second exactly once
+    CollectionJob.objects.filter(pk=job.pk).update(state="completed", finished_at=t0 + timezone.timedelta(seconds=21))
+    out = export_tasks.export_job_task(job.pk)
+    assert out["mlflow_run_id"] == run_id
+    assert history("samples_per_s") == [(s, float(s)) for s in range(20)]
+    rewards = history("reward")
+    assert [s for s, _ in rewards] == list(range(20))
+    stored = {s: [float(i % 2) for i in range(40) if i % 20 == s] for s in range(20)}  # make_job: reward i % 2
+    assert rewards == [(s, sum(v) / len(v)) for s, v in stored.items()]
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["job.ok"] == 40 and run.data.tags["rollouts.state"] == "completed"
+    opts = CollectionJob.objects.get(pk=job.pk).collection_options
+    assert opts == {"mlflow": "local", RUN_ID: run_id}
+    assert live_tick(now=t0 + timezone.timedelta(seconds=40)) == {"jobs": 0, "points": 0}  # ended: left alone
+    assert _move_cursor(job.pk, FINAL) is None
+    assert len(c.search_runs([c.get_run(run_id).info.experiment_id])) == 1  # one run for the job
+    assert is_control("controlplane.exports.tasks.mlflow_live_task")  # a beat task: on the control lane
+
+
+@pytest.mark.django_db
+def test_live_tick_costs_nothing_without_a_tracking_server(settings, django_assert_num_queries):
+    from controlplane.exports.mlflow_export import live_tick
+
+    settings.MLFLOW_TRACKING_URIS = {}
+    with django_assert_num_queries(0):
+        assert live_tick() == {"jobs": 0, "points": 0}
