@@ -1,12 +1,7 @@
 """Progress events published to the Channels layer: one group per job, coalesced by the sink.
 
-Group name: job_group(job_id) -> "job-<id>". Every message is a dict with "type": "job.progress"
-(the consumer's handler `job_progress`) and the fields of `progress_payload`:
-    job_id, state, total, completed, failed, done, in_flight, parallelism,
-    samples_per_s, output_tokens_per_s, eta_s (None when unknown), errors {class: count in the window},
-    t (unix seconds, float), stalled (bool), stall_reason (str: why, when stalled),
-    elapsed_s (running time, pauses excluded), avg_samples_per_s (rollouts stored / running time),
-    error_message (why it failed: the consumer shows each user what they may read of it)
+Group name: job_group(job_id) -> "job-<id>". Every message is a `ProgressMessage` (the shape, typed, below)
+with "type": "job.progress" (the consumer's handler `job_progress`).
 One builder (`progress_payload`), fed by `live_figures`: the job's rates from its stored rows (jobs.figures),
 in flight / parallelism from every chunk's latest sample, so the live stream and a reload show the same
 job-wide figures. State changes publish the same message type with fresh counts and figures.
@@ -15,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal, TypedDict
 
 from django.utils import timezone
 
@@ -32,6 +28,32 @@ def job_group(job_id: int) -> str:
 
 RATE_WINDOW_S = figures.RATE_WINDOW_S  # the job's recent rate: rollouts stored over the last RATE_WINDOW_S
 LIVE_FRESH_S = 5.0  # a chunk's latest sample counts toward in-flight / parallelism while this fresh
+
+
+class ProgressMessage(TypedDict):
+    """THE progress message: what the live stream sends, a reload renders and the page's script reads
+    (static/dashboard/dashboard.js). `progress_payload` builds it; tests/dashboard/test_progress_message.py holds
+    every builder to this shape."""
+
+    type: Literal["job.progress"]
+    job_id: int
+    state: str  # JobState's value
+    total: int
+    completed: int  # ok rollouts stored
+    failed: int
+    done: int  # completed + failed
+    in_flight: int  # requests in flight over every running chunk
+    parallelism: int  # what the running chunks use together, else the job's effective value
+    samples_per_s: float  # ok rollouts per second over the rate window (stored rows)
+    output_tokens_per_s: float
+    eta_s: float | None  # None when unknown
+    errors: dict[str, int]  # failure class -> count in the window
+    t: float  # unix seconds
+    stalled: bool
+    stall_reason: str  # why, when stalled
+    elapsed_s: float  # running time, pauses excluded
+    avg_samples_per_s: float | None  # rollouts stored / running time
+    error_message: str  # why it failed (the consumer shows each user what they may read of it)
 
 
 @dataclass
@@ -75,7 +97,7 @@ def live_figures(job_id: int, now=None) -> LiveFigures:
 
 
 def progress_payload(job, *, completed=None, failed=None, state=None, stalled=None, live: LiveFigures | None = None,
-                     parallelism=None, t=None, running_s=...) -> dict:
+                     parallelism=None, t=None, running_s=...) -> ProgressMessage:
     """THE progress message (live stream and page reload alike). Counts default to the job row's; live
     numbers come from `live` (live_figures: every chunk of the job summed), none when the job is not
     running. Parallelism: what the running chunks use together, else the job's effective value (override
@@ -94,30 +116,30 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
         eta_s = remaining / live.done_per_s
     else:
         eta_s = None
-    return {
-        "type": MESSAGE_TYPE,
-        "job_id": job.pk,
-        "state": state,
-        "total": total,
-        "completed": completed,
-        "failed": failed,
-        "done": done,
-        "in_flight": live.in_flight,
-        "parallelism": live.parallelism or parallelism or job.effective_parallelism,
-        "samples_per_s": round(live.samples_per_s, 3),
-        "output_tokens_per_s": round(live.output_tokens_per_s, 3),
-        "eta_s": eta_s,
-        "errors": dict(live.errors),
-        "t": time.time() if t is None else t,
-        "stalled": bool(job.stalled if stalled is None else stalled),
-        "stall_reason": (getattr(job, "stall_reason", "") or "") if (job.stalled if stalled is None else stalled) else "",
-        "elapsed_s": running_s,
-        "avg_samples_per_s": (done / running_s) if running_s else None,
-        "error_message": (getattr(job, "error_message", "") or "") if state == "failed" else "",
-    }
+    return ProgressMessage(
+        type=MESSAGE_TYPE,
+        job_id=job.pk,
+        state=state,
+        total=total,
+        completed=completed,
+        failed=failed,
+        done=done,
+        in_flight=live.in_flight,
+        parallelism=live.parallelism or parallelism or job.effective_parallelism,
+        samples_per_s=round(live.samples_per_s, 3),
+        output_tokens_per_s=round(live.output_tokens_per_s, 3),
+        eta_s=eta_s,
+        errors=dict(live.errors),
+        t=time.time() if t is None else t,
+        stalled=bool(job.stalled if stalled is None else stalled),
+        stall_reason=(getattr(job, "stall_reason", "") or "") if (job.stalled if stalled is None else stalled) else "",
+        elapsed_s=running_s,
+        avg_samples_per_s=(done / running_s) if running_s else None,
+        error_message=(getattr(job, "error_message", "") or "") if state == "failed" else "",
+    )
 
 
-def job_progress(job, now=None) -> dict:
+def job_progress(job, now=None) -> ProgressMessage:
     """The progress message for a job, from the database: what a reload shows and what every chunk's sink
     publishes (both aggregate the same stored samples)."""
     return progress_payload(job, live=live_figures(job.pk, now) if str(job.state) == "running" else None)

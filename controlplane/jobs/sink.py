@@ -25,7 +25,7 @@ from workers.engine.materialize import materialize_tasks, row_repeats
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
 
 from . import figures
-from .events import LiveFigures, job_group, live_figures, progress_payload
+from .events import LiveFigures, ProgressMessage, job_group, live_figures, progress_payload
 from .openended import pass_rows
 from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 from .versions import VersionTagger
@@ -444,7 +444,7 @@ class DbSink:
         self.running_s = figures.running_seconds(self._job_stub, now)
 
     # -- progress messages ----------------------------------------------------------------------
-    def payload(self) -> dict:
+    def payload(self) -> ProgressMessage:
         tick = self.last_tick
         job = self._job_stub
         row = self.job_row
