@@ -59,8 +59,27 @@ def _raise_nofile():
     raise_open_file_limit()
 
 
+def sched_ns(proc: psutil.Process) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of a process, all its threads summed (/proc/PID/task/TID/
+    schedstat; (0, 0) where the kernel has no schedstats). The wait is the time other processes held the cores:
+    on a shared machine it tells contention from a slower pipeline, whose idle waits are in neither."""
+    run = wait = 0
+    try:
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    r, w, _ = f.read().split()
+                run, wait = run + int(r), wait + int(w)
+            except (OSError, ValueError):
+                pass
+    except OSError:
+        pass
+    return run, wait
+
+
 class RssSampler(threading.Thread):
-    """Peak RSS of some processes (and optionally their children), every `interval` seconds."""
+    """Peak RSS of some processes (and optionally their children), every `interval` seconds; their CPU and
+    run-queue wait (sched_ns) at the last sample."""
 
     def __init__(self, pids, children=True, interval=0.25):
         super().__init__(daemon=True)
@@ -70,6 +89,7 @@ class RssSampler(threading.Thread):
         self.peak_total = collections.defaultdict(int)
         self.cpu_own = collections.defaultdict(float)  # user + system CPU seconds at the last sample
         self.cpu_children: dict[int, dict[int, float]] = collections.defaultdict(dict)  # pid -> child pid -> CPU s
+        self.wait_ns: dict[int, int] = {}  # pid or child pid -> run-queue wait (ns) at the last sample
         self.stop = threading.Event()
 
     def sample(self):
@@ -77,12 +97,14 @@ class RssSampler(threading.Thread):
             try:
                 own = proc.memory_info().rss
                 self.cpu_own[pid] = sum(proc.cpu_times()[:2])
+                self.wait_ns[pid] = sched_ns(proc)[1]
                 total = own
                 if self.children:
                     for c in proc.children(recursive=True):
                         try:
                             total += c.memory_info().rss
                             self.cpu_children[pid][c.pid] = sum(c.cpu_times()[:2])
+                            self.wait_ns[c.pid] = sched_ns(c)[1]
                         except psutil.Error:
                             pass
             except psutil.Error:
@@ -106,6 +128,12 @@ def _cpu_s(procs) -> float:
         except psutil.Error:
             pass
     return total
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (every core; /proc/stat, less idle and iowait)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 class PostgresCpu:
@@ -142,7 +170,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     from django.db.models import Count
 
     from controlplane.jobs import services
-    from controlplane.jobs.models import JobState, Rollout
+    from controlplane.jobs.models import JobChunk, JobState, Rollout
 
     profile_dir = Path(args.profile) if args.profile else None
     workers = [Worker(os.environ["DATABASE_URL"], queue, tmp, f"w{n_workers}-{i}-{n}", profile_dir)
@@ -150,8 +178,9 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     sampler = RssSampler([w.popen.pid for w in workers])
     sampler.sample()
     cpu0 = sum(sampler.cpu_own.values())  # the workers' start-up is not the job's
+    wait0 = sum(sampler.wait_ns.values())
     sim, pg = psutil.Process(sim_pid), PostgresCpu()
-    sim0 = _cpu_s([sim])
+    sim0, sim_wait0, machine0 = _cpu_s([sim]), sched_ns(sim)[1], _machine_busy_s()
     sampler.start()
     try:
         t0 = time.monotonic()
@@ -160,7 +189,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
                                   num_samples_in_parallel=args.parallelism, verifier=args.verifier,
                                   responses_create_params={"max_output_tokens": args.max_tokens},
                                   chunk_size=chunk_size, name=f"scale {n} x {n_workers}", launch=True)
-        t_first = t_last = None
+        t_first = t_last = rss_early = rss_collecting = None
         while True:
             job.refresh_from_db(fields=["state", "completed_count", "failed_count", "error_message"])
             stored = job.completed_count + job.failed_count
@@ -169,6 +198,9 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
                 t_first = now
             if stored >= n and t_last is None:
                 t_last = now
+                rss_collecting = max(sampler.peak_own.values(), default=0) * MB  # before the job's finalization
+            if rss_early is None and stored >= n // 10:
+                rss_early = max(sampler.peak_own.values(), default=0) * MB
             if job.state not in (JobState.QUEUED, JobState.RUNNING):
                 break
             if now - t0 > args.timeout:
@@ -180,10 +212,20 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
         sampler.join()
         sampler.sample()
         sim_cpu, pg_cpu = _cpu_s([sim]) - sim0, pg.used_s()
+        sim_wait, machine_s = sched_ns(sim)[1] - sim_wait0, _machine_busy_s() - machine0
         for w in workers:
             w.stop()
     cpu_workers = sum(sampler.cpu_own.values()) - cpu0
     cpu_verifiers = sum(sum(c.values()) for c in sampler.cpu_children.values())
+    wait_s = (sum(sampler.wait_ns.values()) - wait0 + sim_wait) / 1e9
+    job_wall = time.monotonic() - t0
+    # the machine's busy CPU over the job less the bench's own (workers, verifiers, simulator, PostgreSQL: the
+    # latter counts other clients' queries too): what other work took from the cores meanwhile
+    others_cores = max(0.0, machine_s - (cpu_workers + cpu_verifiers + sim_cpu + pg_cpu)) / max(1e-9, job_wall)
+    chunk_rows = list(JobChunk.objects.filter(job=job).order_by("index").values_list(
+        "start_row", "end_row", "started_at", "finished_at"))
+    chunk_s = [(f - s).total_seconds() for _, _, s, f in chunk_rows if s and f]
+    gaps = [(b[2] - a[3]).total_seconds() for a, b in zip(chunk_rows, chunk_rows[1:]) if a[3] and b[2]]
     rows = Rollout.objects.filter(job=job).count()
     dup = (Rollout.objects.filter(job=job).values("task_index", "rollout_index").annotate(c=Count("id"))
            .filter(c__gt=1).count())
@@ -196,9 +238,13 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
     own = [sampler.peak_own[w.popen.pid] * MB for w in workers]
     total = [sampler.peak_total[w.popen.pid] * MB for w in workers]
     return {"n": n, "workers": n_workers, "state": job.state, "rows": rows, "duplicates": dup,
-            "failed": job.failed_count, "secs": secs, "rps": n / secs, "job_secs": time.monotonic() - t0,
+            "failed": job.failed_count, "secs": secs, "rps": n / secs, "job_secs": job_wall,
+            "wait_ms_per_rollout": wait_s * 1000 / max(1, rows), "others_cores": others_cores,
+            "chunk_secs": [round(x, 2) for x in chunk_s], "chunk_gap_secs": [round(x, 3) for x in gaps],
+            "chunk_rps": [round((e - s) / d) for (s, e, *_), d in zip(chunk_rows, chunk_s) if d > 0],
             "chunk_size": chunk_size, "peak_rss_mb": max(own), "peak_rss_mb_each": [round(x) for x in own],
-            "peak_rss_with_children_mb": max(total), "worker_cpu_ms_per_rollout": cpu_workers * 1000 / max(1, rows),
+            "peak_rss_with_children_mb": max(total), "rss_at_10pct_mb": rss_early or 0.0,
+            "peak_rss_collecting_mb": rss_collecting or 0.0, "worker_cpu_ms_per_rollout": cpu_workers * 1000 / max(1, rows),
             "verifier_cpu_ms_per_rollout": cpu_verifiers * 1000 / max(1, rows),
             "simulator_cpu_ms_per_rollout": sim_cpu * 1000 / max(1, rows), "postgres_cpu_ms_per_rollout":
             pg_cpu * 1000 / max(1, rows), "chunks": -(-n // chunk_size), "rows_per_worker": sorted(hosts.values(), reverse=True),
@@ -231,17 +277,26 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
           f"total parallelism {args.parallelism}:")
     base = {r["n"]: r["rps"] for r in out if r["workers"] == min(args.workers)}
     print_table(["rollouts", "workers", "chunks", "state", "rows stored", "duplicates", "failed", "rollouts/s",
-                 "x 1 worker", "CPU ms/rollout workers", "verifiers", "simulator", "postgres", "peak RSS/worker MB", "+children MB",
+                 "x 1 worker", "CPU ms/rollout workers", "verifiers", "simulator", "postgres", "run-queue wait ms/rollout",
+                 "others' cores", "RSS/worker MB @10%", "peak collecting", "peak incl. finalize", "+children MB",
                  "rows per worker"],
                 [[r["n"], r["workers"], f"{r['chunks']} x {r['chunk_size']}", r["state"], r["rows"], r["duplicates"],
                   r["failed"], f"{r['rps']:.0f}", f"{r['rps'] / base[r['n']]:.2f}",
                   f"{r['worker_cpu_ms_per_rollout']:.2f}", f"{r['verifier_cpu_ms_per_rollout']:.2f}",
                   f"{r['simulator_cpu_ms_per_rollout']:.2f}", f"{r['postgres_cpu_ms_per_rollout']:.2f}",
-                  f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_with_children_mb']:.0f}",
+                  f"{r['wait_ms_per_rollout']:.2f}", f"{r['others_cores']:.2f}", f"{r['rss_at_10pct_mb']:.0f}",
+                  f"{r['peak_rss_collecting_mb']:.0f}", f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_with_children_mb']:.0f}",
                   "/".join(map(str, r["rows_per_worker"]))] for r in out])
     print("CPU ms/rollout: user + system CPU over the job, per stored rollout, of the worker processes (engine, DB "
           "thread, Celery), of their verifier-pool children, of the simulator, and of every PostgreSQL backend (the "
-          "server is shared: other clients' queries count too)")
+          "server is shared: other clients' queries count too). Run-queue wait: the time the workers, their verifier "
+          "processes and the simulator were runnable but another process held the core (/proc/PID/task/*/schedstat); "
+          "others' cores: the machine's busy CPU over the job less the bench's own, per second.")
+    print("\nper chunk (started -> finished, from the chunk rows): rollouts/s of each chunk in order; gaps: seconds "
+          "from a chunk's end to the next one's start")
+    for r in out:
+        print(f"  {r['n']} x {r['workers']}: {' '.join(map(str, r['chunk_rps']))}   gaps "
+              f"{' '.join(f'{g:.2f}' for g in r['chunk_gap_secs'])}")
     if len(args.sizes) >= 2:
         small, big = min(args.sizes), max(args.sizes)
         print(f"\npeak RSS per worker, {big} vs {small} rollouts (flat = ~1.0):")
