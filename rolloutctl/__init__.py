@@ -6,6 +6,8 @@
     python -m rolloutctl run ... --baseline-job 41 --min-throughput-ratio 0.9 --min-metric-ratio mean/reward=0.95
         # exit 1 when this job is below 0.9 x job 41's rollouts/s (over its running time) or 0.95 x its reward
     python -m rolloutctl diagnose 42        # the bottleneck diagnosis; `rolloutctl sweep` runs a parallelism sweep
+    python -m rolloutctl submit ... --open-ended --buffer 512 --consumer grpo   # collects until `rolloutctl stop JOB`;
+        # a trainer takes its rollouts with rolloutctl.stream.RolloutStream (see rolloutctl/openended.py)
 
 Configuration: --url / ROLLOUTCTL_URL (e.g. http://127.0.0.1:8000) and --token / ROLLOUTCTL_TOKEN.
 Exit codes: 0 ok; 1 a gate failed; 2 usage or configuration error; 3 the job failed or was cancelled;

@@ -11,6 +11,7 @@ import tempfile
 import time
 
 from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin, auth, observe
+from . import openended
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -118,7 +119,7 @@ def _parse_kv(items: list[str], what: str) -> dict:
 
 
 def do_submit(client: Client, args) -> dict:
-    # dataset: reuse an identical upload (same sha256) unless told not to
+    open_ended = openended.job_option(args)  # a usage error before anything is uploaded
     if args.dataset_id:
         dataset_id = args.dataset_id
     else:
@@ -164,6 +165,8 @@ def do_submit(client: Client, args) -> dict:
         body["chunk_size"] = args.chunk_size
     if args.mlflow:
         body["mlflow_tracking_uri"] = args.mlflow
+    if open_ended is not None:  # dataset: reused above when an identical upload (same sha256) is there
+        body["open_ended"] = open_ended
     job, created = client.create_job(body, idempotency_key=args.idempotency_key)
     log(f"{'submitted' if created else 'already submitted (same Idempotency-Key)'}: job {job['id']}, "
         f"{job['progress']['total']} rollouts")
@@ -453,6 +456,7 @@ def _add_submit(p):
     g.add_argument("--idempotency-key", default=os.environ.get("ROLLOUTCTL_IDEMPOTENCY_KEY"),
                    help="retrying with the same key returns the same job (env ROLLOUTCTL_IDEMPOTENCY_KEY; "
                         "default: a fresh key per invocation)")
+    openended.add_submit_args(p)  # --open-ended --buffer N [--shuffle --seed S] --consumer NAME
 
 
 def _add_wait(p):
@@ -589,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
     auth.add_parsers(sub, _add_connection)  # login, logout
     observe.add_parsers(sub, _add_connection)  # diagnose, sweep
+    openended.add_parsers(sub, _add_connection)  # stop
     return parser
 
 
@@ -644,12 +649,9 @@ def main(argv=None) -> int:
     if not args.token and args.command != "login":
         log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
     try:
-        if args.command in admin.COMMANDS:
-            return admin.run(client, args)
-        if args.command in auth.COMMANDS:
-            return auth.run(client, args)
-        if args.command in observe.COMMANDS:
-            return observe.run(client, args)
+        for commands in (admin, auth, observe, openended):  # each module's own subcommands
+            if args.command in commands.COMMANDS:
+                return commands.run(client, args)
         if args.command == "submit":
             job = do_submit(client, args)
             print(job["id"], flush=True)

@@ -147,10 +147,8 @@ class JobStreamView(_JobStreamView):
         fields = [f for f in names if f != "lag"]  # lag is worked out here, not read
         with_error, with_lag = "error" in names, "lag" in names
         try:
-            if q.get("ack"):
-                stream.ack(job, q["consumer"], q["ack"])
             batch = stream.take(job, q["consumer"], max_n=q["max"], wait_s=q["wait"], groups=q["groups"],
-                                skip_equal=q["skip_equal"], fields=fields)
+                                skip_equal=q["skip_equal"], fields=fields, ack_token=q.get("ack"))
         except stream.StreamConflict as exc:
             raise Conflict(str(exc)) from exc
         # The body is written here, not by a serializer and the renderer: each row comes as the JSON text

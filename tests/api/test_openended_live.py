@@ -11,11 +11,11 @@ import urllib.request
 
 import pytest
 
-from controlplane.jobs.models import JobChunk
+from controlplane.jobs.models import CollectionJob, JobChunk
 from rolloutctl.stream import RolloutStream
 from tests.factories import ingest_dataset, make_endpoint
 
-from .test_cli_live import stack  # noqa: F401  (the live web + worker fixture)
+from .test_cli_live import cli, stack  # noqa: F401  (the live web + worker fixture)
 
 
 def _api(url, token, method, path, body=None):
@@ -97,3 +97,63 @@ def test_open_ended_job_with_a_live_worker_and_a_trainer(stack, simulator_factor
     trainer.take(wait=0)  # nothing left; the loop's last batch is acknowledged by the take after it
     assert len(seen) == len(set(seen)) == final["progress"]["completed"], (len(seen), final["progress"])
     assert final["progress"]["total"] == final["progress"]["done"] == final["open_ended"]["stored"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_rolloutctl_submits_and_stops_an_open_ended_job(stack, simulator_factory, django_user_model):  # noqa: F811
+    """`rolloutctl submit --open-ended --buffer N --shuffle --seed S --consumer NAME` and `rolloutctl stop JOB`,
+    as subprocesses speaking HTTP to the live server; a trainer consumes between them."""
+    url, token, procs = stack
+    sim = simulator_factory(ttft_ms=5, itl_ms=0, jitter=0, seed=4, math_accuracy=0.5)
+    user = django_user_model.objects.get(username="ci")
+    dataset = ingest_dataset(user, n=6)
+    endpoint = make_endpoint(user, sim.url, model=sim.model, name="sim-live-oe-cli")
+    submit = [
+        "submit",
+        "--dataset-id",
+        dataset.pk,
+        "--endpoint",
+        endpoint.pk,
+        "--num-repeats",
+        2,
+        "--chunk-size",
+        3,
+        "--num-samples-in-parallel",
+        4,
+        "--max-output-tokens",
+        8,
+    ]
+
+    r = cli(url, token, *submit, "--buffer", 8)  # a usage error, before anything is sent
+    assert r.returncode == 2 and "--buffer: only with --open-ended" in r.stderr, r.stderr
+    r = cli(url, token, *submit, "--open-ended", "--buffer", 8, "--shuffle", "--seed", 5, "--consumer", "grpo")
+    assert r.returncode == 0, f"{r.stderr}\n{procs[0].tail()}"
+    job_id = int(r.stdout.strip().splitlines()[-1])
+    stored = CollectionJob.objects.get(pk=job_id).open_ended
+    assert (stored["buffer"], stored["shuffle"], stored["seed"], stored["consumer"]) == (8, True, 5, "grpo")
+    job = _api(url, token, "GET", f"jobs/{job_id}/")
+    assert job["open_ended"]["consumer"] == "grpo" and job["open_ended"]["bound"] == 8 + 6 - 1
+
+    trainer = RolloutStream(url, token, job_id, "grpo", max=4, wait=30)  # a loaded machine
+    seen = []
+    while len(seen) < 16:  # past one pass of 12: it keeps collecting while the trainer acknowledges
+        batch = trainer.take()
+        assert batch is not None, "the stream ran dry:\n" + procs[1].tail()
+        trainer.ack(batch)
+        seen += [r["id"] for r in batch.rollouts]
+
+    r = cli(url, token, "stop", job_id)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("running", "completed") and f"job {job_id}: " in r.stderr, (r.stdout, r.stderr)
+    assert _api(url, token, "GET", f"jobs/{job_id}/")["open_ended"]["stopping"]
+    for batch in trainer.batches(until_finished=True, idle_timeout_s=60):
+        seen += [r["id"] for r in batch.rollouts]
+    final = _api(url, token, "GET", f"jobs/{job_id}/")
+    assert final["state"] == "completed", final
+    trainer.take(wait=0)
+    assert len(seen) == len(set(seen)) == final["progress"]["completed"], (len(seen), final["progress"])
+
+    r = cli(url, token, "stop", job_id)  # no longer running: the API's answer, shown
+    assert r.returncode == 5 and "HTTP 409" in r.stderr, r.stderr
