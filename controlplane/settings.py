@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from datetime import timedelta
 
+from django.core.exceptions import ImproperlyConfigured
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -264,6 +265,11 @@ VERIFY_CACHE_TTL_S = env.int("VERIFY_CACHE_TTL_S", default=7 * 24 * 3600)
 # A worker computing a verification holds a claim this long; the others wait for it at most that long
 # (a dead worker's claim expires; a slower verification is then computed twice, never wrong).
 VERIFY_CACHE_CLAIM_S = env.float("VERIFY_CACHE_CLAIM_S", default=60.0)
+# "measured": a collection run keeps the shared cache only while its hits save more time than its round trips
+# cost (measured over its first 256 lookups; a cheap verifier with few hits goes local); "always": Redis always.
+VERIFY_CACHE_SHARED = env("VERIFY_CACHE_SHARED", default="measured")
+if VERIFY_CACHE_SHARED not in ("measured", "always"):
+    raise ImproperlyConfigured(f"VERIFY_CACHE_SHARED must be measured or always, not {VERIFY_CACHE_SHARED!r}")
 # --- Verifiers: the operator's knobs. Read from the environment by workers/verifiers too (no Django there).
 # Modules imported at start (they register verifiers by name); users may name those verifiers.
 VERIFIER_PLUGINS = env.list("VERIFIER_PLUGINS", default=[])

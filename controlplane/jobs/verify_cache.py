@@ -17,4 +17,5 @@ def verify_cache_spec(job) -> dict:
     """Where the verification cache lives for this job's runs (collection chunks and verification runs)."""
     url = settings.VERIFY_CACHE_URL if job.verify_cache != "off" else ""
     return {"verify_cache_url": url or None, "verify_cache_scope": verify_cache_scope(job) if url else "",
-            "verify_cache_ttl_s": settings.VERIFY_CACHE_TTL_S, "verify_cache_claim_s": settings.VERIFY_CACHE_CLAIM_S}
+            "verify_cache_ttl_s": settings.VERIFY_CACHE_TTL_S, "verify_cache_claim_s": settings.VERIFY_CACHE_CLAIM_S,
+            "verify_cache_shared_choice": settings.VERIFY_CACHE_SHARED}

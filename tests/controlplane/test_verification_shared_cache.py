@@ -134,16 +134,16 @@ def test_more_lookups_at_once_than_redis_connections_keep_the_shared_cache_on(co
 
     async def run_once():
         ex = VerifyExecutor("tests.verifier_plugins:counted_io", options, cache="job", shared_url=REDIS_URL,
-                            shared_scope=scope, concurrency=64)
+                            shared_scope=scope, concurrency=64, shared_choice="always")  # the subject: Redis itself
         pool, opened = ex.shared.redis.connection_pool, []
         make_connection = pool.make_connection
         pool.make_connection = lambda: opened.append(1) or make_connection()  # counts the sockets opened
         try:
             results = await asyncio.gather(*(ex.verify(row, t) for t in texts))
-            stats = ex.stats()
-            stats["round_trips"] = ex.shared.round_trips
         finally:
-            await ex.aclose()
+            await ex.aclose()  # after the stores still going on in the background
+        stats = ex.stats()
+        stats["round_trips"] = ex.shared.round_trips
         return results, stats, len(opened)
 
     results, stats, sockets = asyncio.run(run_once())

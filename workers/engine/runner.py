@@ -136,7 +136,8 @@ class CollectionRun:
             self.vexec = VerifyExecutor(spec.verifier, spec.verifier_options, fast=self.fast, cache=spec.verify_cache,
                                         concurrency=spec.verify_concurrency, shared_url=spec.verify_cache_url,
                                         shared_scope=spec.verify_cache_scope, shared_ttl_s=spec.verify_cache_ttl_s,
-                                        shared_claim_s=spec.verify_cache_claim_s)
+                                        shared_claim_s=spec.verify_cache_claim_s,
+                                        shared_choice=spec.verify_cache_shared_choice)
             self.verify_in_pool = self.vexec.needs_pool
         self.batcher = (VerifyBatcher(self.loop, spec.verify_processes, pool=verify_pool or SHARED_VERIFY_POOL)
                         if self.verify_in_pool else None)

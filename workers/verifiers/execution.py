@@ -11,6 +11,13 @@ chunk and worker of a job (`cache="job"`, scope "job:<id>:...") or of every job 
 later verification runs of the same job; identical work in flight on two workers is computed once. Without
 one, `cache="job"` keeps one cache per executor (one chunk run) and `cache="global"` one bounded cache per
 worker process. `cache="off"` disables it. Concurrent identical requests in one run wait for the first.
+
+The shared cache pays only where a verification costs more than the Redis round trips it saves (a sandboxed
+program, an LLM judge: yes; math-verify at 0 % hits: no, it cost the engine 1.2-1.8x the CPU). So with
+`shared_choice="measured"` (the default) a run measures, over its first SHARED_PROBE shared lookups, the mean
+wait of a verification it computed and of a lookup, and the shared hit rate; when hit rate x compute < lookup
+(a lookup makes the rollout wait longer than its hits save; stores go on in the background) it goes on with its
+local cache only (`stats()` says which and why). `shared_choice="always"` keeps Redis whatever it costs. bench/bench_verify_cache.py measures both.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -28,6 +36,9 @@ from .base import VerifyResult, get_verifier
 log = logging.getLogger(__name__)
 
 CACHE_MODES = ("off", "job", "global")
+SHARED_CHOICES = ("measured", "always")
+SHARED_PROBE = 256  # shared lookups measured before the choice
+SHARED_PROBE_COMPUTED = 16  # ... of which at least this many computed (else nearly all hit: keep the shared cache)
 _GLOBAL_MAX = 200_000
 _global: OrderedDict = OrderedDict()
 _global_lock = threading.Lock()
@@ -53,7 +64,8 @@ def cache_key(name: str, options: dict, fast: bool, text: str, row: dict, fields
 class VerifyExecutor:
     def __init__(self, name: str, options: dict | None, *, fast: bool = False, cache: str = "job",
                  concurrency: int = 32, pooled: Callable | None = None, shared_url: str | None = None,
-                 shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 60.0):
+                 shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 60.0,
+                 shared_choice: str = "measured"):
         self.verifier = get_verifier(name)  # ValueError for an unknown name
         self.name = name
         self.cache_name = f"{name}@{self.verifier.fingerprint()}"  # changed verifier code: other keys
@@ -84,6 +96,16 @@ class VerifyExecutor:
 
             self.shared = SharedVerifyCache(shared_url, shared_scope, ttl_s=shared_ttl_s, claim_ttl_s=shared_claim_s)
         self.shared_error = ""
+        if shared_choice not in SHARED_CHOICES:
+            raise ValueError(f"shared cache choice must be one of {', '.join(SHARED_CHOICES)}, not {shared_choice!r}")
+        self.shared_choice = shared_choice
+        self.choice = ""  # "" until chosen; "shared" or "local: <the measured costs>"
+        self._dropped = []  # shared caches given up: closed at aclose, after the calls still using them
+        # measured while the shared cache is on: (count, total seconds)
+        self._lookup = [0, 0.0]
+        self._computed = [0, 0.0]
+        self._storing: set[asyncio.Future] = set()
+        self._shared_found = 0
         self.waiting = self.running = 0  # for the diagnosis: the verification queue and busy slots
 
     @property
@@ -99,10 +121,14 @@ class VerifyExecutor:
             out.update({f"verify_{k}": v for k, v in info().items()})
         if self.cache_mode != "off":
             out["verify_cache_shared"] = self.shared is not None
-            if self.shared is not None:
-                out.update(verify_cache_shared_hits=self.shared.shared_hits, verify_cache_computed=self.shared.computed)
+            used = [c for c in (self.shared, *self._dropped) if c is not None]  # a given-up one counts too
+            if used:
+                out.update(verify_cache_shared_hits=sum(c.shared_hits for c in used),
+                           verify_cache_computed=sum(c.computed for c in used))
             if self.shared_error:
                 out["verify_cache_error"] = self.shared_error
+            if self.choice:
+                out["verify_cache_choice"] = self.choice
         return out
 
     def key(self, row: dict, text: str) -> str:
@@ -115,6 +141,35 @@ class VerifyExecutor:
         shared, self.shared = self.shared, None
         if shared is not None:
             asyncio.ensure_future(shared.aclose())
+
+    def _stored(self, store: asyncio.Future) -> None:
+        self._storing.discard(store)
+        if not store.cancelled() and store.exception() is not None:
+            self.shared_failed(store.exception())
+
+    def _choose(self) -> None:
+        """After SHARED_PROBE shared lookups: keep the shared cache only if it shortens a verification's wait,
+        i.e. the wait its hits save (hit rate x a computation) is longer than a lookup (stores are in the
+        background). Wall times: a saturated verifier pool makes computations slow (hits relieve it); a busy
+        event loop makes lookups slow (their CPU is the engine's)."""
+        lookups, lookup_s = self._lookup
+        computed, compute_s = self._computed
+        if self.choice or self.shared_choice != "measured" or lookups < SHARED_PROBE:
+            return
+        hit_rate = self._shared_found / lookups
+        if computed < SHARED_PROBE_COMPUTED:
+            self.choice = f"shared: {hit_rate:.0%} of {lookups} lookups found"
+            return
+        compute_ms, lookup_ms = 1000 * compute_s / computed, 1000 * lookup_s / lookups
+        saves = hit_rate * compute_ms
+        figures = f"hits {hit_rate:.0%} x verify {compute_ms:.2f} ms = {saves:.2f} ms vs lookup {lookup_ms:.2f} ms"
+        if saves >= lookup_ms:
+            self.choice = f"shared: {figures}"
+            return
+        self.choice = f"local: {figures}"
+        log.info("verification cache: local for this run (%s)", figures)
+        self._dropped.append(self.shared)
+        self.shared = None
 
     async def verify(self, row: dict, text: str) -> VerifyResult:
         if self.cache_mode == "off":
@@ -140,28 +195,41 @@ class VerifyExecutor:
         self.cache[key] = fut
         try:
             result, claimed = None, False
-            if self.shared is not None:
+            shared = self.shared  # this call's: a claim taken is stored or released there even if the run
+            # gives the shared cache up meanwhile (others may wait on the claim)
+            if shared is not None:
+                t = time.perf_counter()
                 try:
-                    result, claimed = await self.shared.get_or_claim(key)
+                    result, claimed = await shared.get_or_claim(key)
                 except Exception as exc:  # noqa: BLE001
                     self.shared_failed(exc)
+                    shared = None
+                else:
+                    self._lookup[0] += 1
+                    self._lookup[1] += time.perf_counter() - t
+                    self._shared_found += result is not None
             if result is not None:
                 self.hits += 1
             else:
+                t = time.perf_counter()
                 try:
                     result = await self._compute(row, text)
                 except BaseException:
-                    if claimed and self.shared is not None:
+                    if claimed and shared is not None:
                         try:
-                            await self.shared.release(key)
+                            await shared.release(key)
                         except Exception as exc:  # noqa: BLE001
                             self.shared_failed(exc)
                     raise
-                if claimed and self.shared is not None:
-                    try:
-                        await self.shared.put(key, result)
-                    except Exception as exc:  # noqa: BLE001
-                        self.shared_failed(exc)
+                if shared is not None:
+                    self._computed[0] += 1
+                    self._computed[1] += time.perf_counter() - t
+                if claimed and shared is not None:  # stored in the background: nobody here waits for it
+                    store = asyncio.ensure_future(shared.put(key, result))
+                    self._storing.add(store)
+                    store.add_done_callback(self._stored)
+            if shared is not None and not self.choice:
+                self._choose()
         except BaseException as exc:
             self.cache.pop(key, None)  # errors (a judge timeout) are not remembered
             if not fut.done():
@@ -204,8 +272,11 @@ class VerifyExecutor:
             self.sem.release()
 
     async def aclose(self) -> None:
-        if self.shared is not None:
-            await self.shared.aclose()
+        if self._storing:  # the results still being stored
+            await asyncio.gather(*list(self._storing), return_exceptions=True)
+        for shared in [self.shared, *self._dropped]:
+            if shared is not None:
+                await shared.aclose()
         if self.threads is not None:
             self.threads.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.verifier, "aclose", None)
