@@ -5,6 +5,11 @@
   resources server, and the vllm_model model server, on a free head port. Skips, with the reason, only
   where no Python >= 3.12 exists; builds .venv-nemo-gym first when it is missing (about 3 min).
 
+- `nemo_gym_tools`: module scope. The same, plus a tool-calling agent (`weather_tool_agent`: simple_agent on
+  example_single_tool_call, its model server `tool_policy_model` asking for token ids) from
+  tests/data/nemo_gym_tool_agent.yaml; the simulator answers a request offering tools with a call of its first
+  tool (knob `tool_calls`), then in text.
+
 NemoGym: `.head_url`, `.head_host`, `.head_port`, `.sim` (SimulatorProcess), `.venv_bin` (ng_* commands),
 `.env()` (environment to run ng_collect_rollouts), `.deployment()` (resolved now), `.stop()`, `.start()`,
 `.restart()`.
@@ -25,6 +30,8 @@ SCRIPT = REPO_ROOT / "scripts" / "nemo_gym.sh"
 SECOND_AGENT_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_second_agent.yaml"
 AGENT = "math_with_judge_simple_agent"
 SECOND_AGENT = "math_second_agent"
+TOOL_AGENT_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_tool_agent.yaml"
+TOOL_AGENT = "weather_tool_agent"
 
 
 def _script(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -50,7 +57,8 @@ class NemoGym:
                 "PATH": f"{self.venv_bin}:{Path(base).parent}:{os.environ.get('PATH', '')}", **self.extra_env}
 
     def start(self) -> None:
-        res = _script("start", self.sim.base_url, env=self.env())
+        env = self.env()
+        res = _script("start", self.sim.base_url, env=env, timeout=float(env.get("NEMO_GYM_START_TIMEOUT", 300)) + 60)
         if res.returncode != 0:
             raise RuntimeError(f"ng_run did not start:\n{res.stderr[-4000:]}")
 
@@ -79,6 +87,27 @@ def nemo_gym():
     # collections of the same file agree row by row
     sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0, math_accuracy=1.0)
     ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-run-"))
+    try:
+        ng.start()
+        yield ng
+    finally:
+        ng.stop()
+        sim.stop()
+
+
+@pytest.fixture(scope="module")
+def nemo_gym_tools():
+    res = _script("python")
+    if res.returncode == 3:
+        pytest.skip(res.stderr.strip() or "no Python >= 3.12 for nemo-gym")
+    setup = _script("setup", timeout=1200)
+    if setup.returncode != 0:
+        raise RuntimeError(f"scripts/nemo_gym.sh setup failed:\n{setup.stderr[-4000:]}")
+    sim = start_simulator(ttft_ms=20, itl_ms=2, jitter=0, seed=0, math_accuracy=1.0)
+    ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-tools-run-"))
+    # the first start builds the tool agent's server venvs too (uv; a few minutes on a busy machine)
+    ng.extra_env = {"NEMO_GYM_EXTRA_CONFIGS": f"{SECOND_AGENT_CONFIG},{TOOL_AGENT_CONFIG}",
+                    "NEMO_GYM_START_TIMEOUT": "1200"}
     try:
         ng.start()
         yield ng

@@ -1,5 +1,5 @@
 """The trace of an agent rollout: the engine's POST /run to a NeMo-Gym-shaped agent carries the rollout's W3C
-`traceparent`, and the rollout handed to the sink has the same trace id."""
+`traceparent` (as a header and in the request's metadata), and the rollout handed to the sink has the same trace id."""
 from __future__ import annotations
 
 import re
@@ -31,7 +31,8 @@ async def test_an_agents_run_request_carries_the_rollouts_trace(simulator_factor
 
     async def run(request):
         body = await request.json()
-        seen.append((body.get("_ng_task_index"), request.headers.get("traceparent")))
+        seen.append((body.get("_ng_task_index"), request.headers.get("traceparent"),
+                     (body["responses_create_params"].get("metadata") or {}).get("traceparent")))
         return web.json_response({"responses_create_params": body["responses_create_params"], "reward": 1.0,
                                   "response": {"usage": {"input_tokens": 3, "output_tokens": 2}}})
 
@@ -63,7 +64,11 @@ async def test_an_agents_run_request_carries_the_rollouts_trace(simulator_factor
     finally:
         await runner.cleanup()
     assert summary.completed == 12 and len(seen) == 12
-    headers = [TRACEPARENT.fullmatch(h or "") for _, h in seen]
+    headers = [TRACEPARENT.fullmatch(h or "") for _, h, _ in seen]
+    # the same traceparent in the request's metadata (what a NeMo Gym agent passes on to its model calls) ...
+    assert all(in_body == h for _, h, in_body in seen)
+    # ... and not in the stored row's request, which is the row's own
+    assert all("traceparent" not in (r.output_row["responses_create_params"].get("metadata") or {}) for r in results)
     assert all(headers), seen[:3]
     assert sorted(m.group(1) for m in headers) == sorted(r.trace_id for r in results)
     assert len({r.trace_id for r in results}) == 12

@@ -31,7 +31,7 @@ from workers.telemetry.vllm import VllmScraper
 
 from . import AGENT_FLAVOR, HEAD_FLAVOR, REMOTE_VERIFIER
 from .deployment import DeploymentError, resolve
-from .rows import FAILURE_CLASS_KEY, NO_PERSIST_KEY, agent_of, output_row, run_body, verify_fields
+from .rows import FAILURE_CLASS_KEY, NO_PERSIST_KEY, agent_of, output_row, run_body, verify_fields, with_trace
 
 RERESOLVE_MIN_INTERVAL_S = 2.0
 VERIFY_MAX_BYTES = 4 * 1024 * 1024  # a /verify answer is one small JSON object
@@ -214,6 +214,11 @@ class AgentRun(CollectionRun):
         finally:
             self.in_flight -= 1
         await self.emit(result)
+
+    async def _send(self, url: str, body: dict, result: RolloutResult, parent: str) -> dict:
+        """POST /run with the request's `traceparent` both as a header and in the request's metadata, the one
+        way it reaches the agent's model calls (rows.with_trace)."""
+        return await super()._send(url, with_trace(body, parent), result, parent)
 
     def _take_answer(self, answer, body: dict, result: RolloutResult) -> None:
         if not isinstance(answer, dict):

@@ -5,6 +5,9 @@ Body: the row as it is (nothing removed) with `agent_ref = {"name": agent}` set 
 engine's deep merge), `_ng_task_index` and `_ng_rollout_index`.
 Answer: the resources server's verify result (unknown top-level fields dropped by the agent), to which
 the caller re-attaches `_ng_task_index`, `_ng_rollout_index`, `agent_ref` (and `skills_ref`).
+Trace: the body sent carries the rollout's `traceparent` in `responses_create_params.metadata` too (`with_trace`):
+nemo-gym 0.4.0's agents forward no request header, but pass the request's metadata to every model call, and
+vllm_model passes it on to the model server; the output row's request is given back without it (`output_row`).
 """
 from __future__ import annotations
 
@@ -45,9 +48,36 @@ def run_body(row: dict, agent_name: str | None, overrides: dict | None, task_ind
     return body
 
 
+TRACE_KEY = "traceparent"
+METADATA_MAX_KEYS = 16  # OpenAI's limit on request metadata
+
+
+def with_trace(body: dict, parent: str) -> dict:
+    """`body` with `responses_create_params.metadata.traceparent = parent` (a copy; `body` is not modified), or
+    `body` itself when its request names a traceparent already, has no object metadata or holds 16 keys."""
+    rcp = body.get(RCP)
+    md = rcp.get("metadata") if isinstance(rcp, dict) else None
+    if not isinstance(rcp, dict) or not isinstance(md, (dict, type(None))) or TRACE_KEY in (md or {}) \
+            or len(md or {}) >= METADATA_MAX_KEYS:
+        return body
+    return {**body, RCP: {**rcp, "metadata": {**(md or {}), TRACE_KEY: parent}}}
+
+
+def _without_trace(out: dict, body: dict) -> None:
+    """The answer's echo of the request, as the row had it: the traceparent `with_trace` added taken out."""
+    sent, got = body.get(RCP), out.get(RCP)
+    if not isinstance(sent, dict) or not isinstance(got, dict) or not isinstance(got.get("metadata"), dict):
+        return
+    if TRACE_KEY not in got["metadata"] or TRACE_KEY in (sent.get("metadata") or {}):
+        return
+    md = {k: v for k, v in got["metadata"].items() if k != TRACE_KEY}
+    out[RCP] = {**got, "metadata": md if md or sent.get("metadata") is not None else None}
+
+
 def output_row(answer: dict, body: dict) -> dict:
     """The stored rollout: the agent's answer with the caller's indices and agent_ref re-attached."""
     out = dict(answer)
+    _without_trace(out, body)
     out[TASK_INDEX] = body[TASK_INDEX]
     out[ROLLOUT_INDEX] = body[ROLLOUT_INDEX]
     if AGENT_REF in body:

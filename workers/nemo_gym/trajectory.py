@@ -3,7 +3,13 @@
 A NeMo Gym agent's response lists, in order, what each model call produced (reasoning, an assistant message,
 function calls) and the tool results it fed back (`function_call_output`). A turn is one model call: a run of
 model-produced items; the tool results that answer its calls (by call_id) are attached to them. Per-call
-tokens, TTFT or finish reason are shown when an item carries them (`usage`, `ttft_ms`, `finish_reason`); NeMo Gym 0.4.0's agents record only the whole response's usage."""
+tokens, TTFT or finish reason are shown when an item carries them (`usage`, `ttft_ms`, `finish_reason`). NeMo Gym
+0.4.0's agents record only the whole response's usage, but a model server asked for token ids
+(vllm_model's `return_token_id_information`, as RL training runs it) puts each call's `prompt_token_ids` and
+`generation_token_ids` on the last item the call produced: its tokens in and out are counted from them. Where no
+item names a finish reason, it is read from the response as vllm_model writes it: a call that asked for tools
+ended with `tool_calls`; the last one with `length` when the response is incomplete for max_output_tokens, else
+`stop`. TTFT per call is not in a 0.4.0 agent's response."""
 from __future__ import annotations
 
 import json
@@ -59,6 +65,9 @@ def trajectory(data: Any) -> list[dict]:
         for key in PER_CALL_KEYS:
             if key in item:
                 current["call"][key] = item[key]
+        prompt_ids, gen_ids = item.get("prompt_token_ids"), item.get("generation_token_ids")
+        if "usage" not in current["call"] and isinstance(prompt_ids, list) and isinstance(gen_ids, list):
+            current["call"]["usage"] = {"input_tokens": len(prompt_ids), "output_tokens": len(gen_ids)}
         if kind == "reasoning":
             current["reasoning"].append(_text(item.get("summary") or item.get("content")))
         elif kind == "message":
@@ -70,6 +79,11 @@ def trajectory(data: Any) -> list[dict]:
             calls[call["call_id"]] = call
     if len(turns) <= 1 and not any(t["tool_calls"] for t in turns):
         return []
+    incomplete = response.get("incomplete_details")
+    for turn in turns:
+        if "finish_reason" not in turn["call"] and (turn["tool_calls"] or turn is turns[-1]):
+            turn["call"]["finish_reason"] = "tool_calls" if any(c["name"] for c in turn["tool_calls"]) else (
+                "length" if isinstance(incomplete, dict) and incomplete.get("reason") == "max_output_tokens" else "stop")
     return turns
 
 

@@ -58,6 +58,7 @@ class SimConfig:
     update_weights_ms: float = _knob(200.0, "time /update_weights takes; token generation is held meanwhile, as on a GPU busy loading weights", "ms")
     unhealthy: bool = _knob(False, "simulate a dead engine: /health and /v1/* answer 503")
     hang: bool = _knob(False, "simulate a hung server: every route but /admin/config accepts the connection and never answers while this is set (requests already hanging carry on once it is cleared)")
+    tool_calls: bool = _knob(True, "a chat request that offers `tools` (and tool_choice is not 'none') is answered, until a tool result follows its last user message, with a call of its first tool (arguments filled from the tool's JSON schema, finish_reason 'tool_calls'); then in text. Non-streamed chat completions only")
     admin_faults: dict = _knob({}, "forced faults on admin routes, by route name, e.g. {\"update_weights\": \"500\"}; types: " + ", ".join(ADMIN_FAULT_TYPES) + " (stall = never answers until the client gives up); set and clear at runtime with POST /admin/config")
 
     def validate(self) -> "SimConfig":
@@ -92,7 +93,7 @@ class SimConfig:
             raise ConfigError("api_key must be a string or null")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("unhealthy", "hang"):
+        for name in ("unhealthy", "hang", "tool_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.fault_rates = parse_fault_rates(self.fault_rates)

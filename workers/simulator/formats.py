@@ -6,6 +6,8 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from .text import token_id
+
 if TYPE_CHECKING:
     from .server import Sim
 
@@ -55,12 +57,28 @@ class _ChatFmt(_Fmt):
         return {"prompt_tokens": self.n_prompt, "total_tokens": self.n_prompt + req.generated,
                 "completion_tokens": req.generated, "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
+    tool_call = None  # (call id, tool name, JSON arguments) when the simulated model calls a tool
+
     def full(self, req):
+        text, finish, calls = "".join(self.tokens[:req.generated]), req.finish_reason, []
+        if self.tool_call is not None and req.generated == len(self.tokens):
+            call_id, name, args = self.tool_call
+            calls = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]
+            text, finish = None, "tool_calls" if finish == "stop" else finish
         return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(self.tokens[:req.generated]),
-                                                     "reasoning_content": None, "tool_calls": []},
-                             "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                                                     "reasoning_content": None, "tool_calls": calls},
+                             "logprobs": self.logprobs(req), "finish_reason": finish, "stop_reason": None}],
                 "usage": self.usage(req), "prompt_logprobs": None, "weight_version": req.weight_version}
+
+    def logprobs(self, req):
+        """With `logprobs`: each output token and a synthetic log-probability (vLLM's shape; the token as
+        `token_id:N` with `return_tokens_as_token_ids`, as NeMo Gym's vllm_model asks for training data)."""
+        if not self.body.get("logprobs"):
+            return None
+        ids = bool(self.body.get("return_tokens_as_token_ids"))
+        return {"content": [{"token": f"token_id:{token_id(t)}" if ids else t, "logprob": -(token_id(t) % 97) / 100.0,
+                             "bytes": None, "top_logprobs": []} for t in self.tokens[:req.generated]]}
 
     def stream_head(self):
         return 'data: ' + self._head + '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'

@@ -54,6 +54,7 @@ class Sim:
         self.id_prefix = "%08x" % random.Random(self.seed).getrandbits(32)
         self.started = time.time()
         self.traceparents: collections.deque[str] = collections.deque(maxlen=10000)  # GET /admin/traceparents
+        self.metadata_traceparents: collections.deque[str] = collections.deque(maxlen=10000)  # metadata.traceparent
 
     def set_config(self, cfg: SimConfig) -> None:
         self.cfg = cfg
@@ -220,6 +221,9 @@ async def _openai(request: web.Request, kind: str):
     if parent:  # W3C trace context: kept (the last 10,000) for tests to find, echoed as a real server's proxy might
         sim.traceparents.append(parent[:200])
         hdrs["traceparent"] = parent[:200]
+    md = body.get("metadata")
+    if isinstance(md, dict) and isinstance(md.get("traceparent"), str):  # carried in the body by a NeMo Gym agent
+        sim.metadata_traceparents.append(md["traceparent"][:200])
 
     room = cfg.max_model_len - n_prompt
     if max_t is not None and max_t > room or room < 1:
@@ -231,6 +235,13 @@ async def _openai(request: web.Request, kind: str):
 
     rng = sim.rng_for(kind + "\x00" + rendered, body)
     n_out = max_t if max_t is not None else min(room, rng.randint(cfg.output_len_min, cfg.output_len_max))
+    call = T.tool_call(body) if kind == "chat" and cfg.tool_calls and not body.get("stream") else None
+    if call is not None:  # the model calls a tool: its output tokens are the call's arguments
+        call_tokens = T.tokenize(call[1])
+        if len(call_tokens) > min(n_out if max_t is not None else room, room):
+            call = None
+        else:
+            n_out = len(call_tokens)
     if cfg.rpm_limit or cfg.tpm_limit:
         wait = sim.limiter.check(asyncio.get_running_loop().time(), cfg.rpm_limit, cfg.tpm_limit, n_prompt + n_out)
         if wait is not None:
@@ -239,7 +250,9 @@ async def _openai(request: web.Request, kind: str):
     tokens, _ = T.generate(rng, n_out, question, cfg.math_accuracy)
     req = Request(n_prompt, n_out, _prompt_blocks(ptoks))
     stream = bool(body.get("stream"))
-    fmt = FORMATS[kind](sim, body, cfg.model, n_prompt, tokens)
+    fmt = FORMATS[kind](sim, body, cfg.model, n_prompt, call_tokens if call is not None else tokens)
+    if call is not None:
+        fmt.tool_call = (sim.next_id("call"), *call)
     try:
         if not stream:
             await sim.engine.run(req)
@@ -522,8 +535,10 @@ async def get_config(request):
 
 
 async def get_traceparents(request):
-    """The W3C traceparent headers of the model requests received (the last 10,000), oldest first."""
-    return _json({"traceparents": list(request.app[SIM].traceparents)})
+    """The W3C traceparent headers of the model requests received (the last 10,000), oldest first; and, apart,
+    the `metadata.traceparent` values their bodies carried (how a rollout's trace crosses a NeMo Gym agent)."""
+    sim = request.app[SIM]
+    return _json({"traceparents": list(sim.traceparents), "metadata_traceparents": list(sim.metadata_traceparents)})
 
 
 async def post_config(request):

@@ -59,7 +59,9 @@ def render_chat(messages) -> str:
     for m in messages:
         if not isinstance(m, dict):
             raise ValueError("each message must be an object with role and content")
-        parts.append(f"<|{m.get('role', 'user')}|> {content_text(m.get('content'))}\n")
+        calls = "".join(f" {c['function'].get('name', '')}({c['function'].get('arguments', '')})"
+                        for c in (m.get("tool_calls") or []) if isinstance(c, dict) and isinstance(c.get("function"), dict))
+        parts.append(f"<|{m.get('role', 'user')}|> {content_text(m.get('content'))}{calls}\n")
     parts.append("<|assistant|>")
     return "".join(parts)
 
@@ -117,3 +119,35 @@ def generate(rng: random.Random, n: int, math_question: str | None, math_accurac
     if toks:
         toks[0] = toks[0].lstrip()
     return toks, info
+
+
+def tool_call(body: dict):
+    """(tool name, JSON arguments) the simulated model calls for a chat request offering `tools`, or None: the
+    first tool, while no tool result follows the last user message (then the model answers in text). Each
+    property the tool's schema requires (all of them when none is required) gets a value: a string the last
+    word of the user's message, a number its length, a boolean true."""
+    import json
+
+    tools, messages = body.get("tools"), body.get("messages")
+    if not isinstance(tools, list) or not tools or body.get("tool_choice") == "none" or not isinstance(messages, list):
+        return None
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") == "tool":
+            return None
+        if isinstance(m, dict) and m.get("role") == "user":
+            break
+    tool = tools[0] if isinstance(tools[0], dict) else {}
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = [k for k in (params.get("required") or []) if k in props] or list(props)
+    words = re.findall(r"[A-Za-z]\w*", last_user_text(messages))
+    word = words[-1] if words else "x"
+    args = {}
+    for k in required:
+        typ = props[k].get("type") if isinstance(props[k], dict) else None
+        args[k] = len(word) if typ in ("integer", "number") else True if typ == "boolean" else word
+    return name, json.dumps(args)
