@@ -109,16 +109,18 @@ async def test_parallelism_changes_at_runtime(simulator_factory):
     control = ScriptedControl().at(0.0, parallelism=2).at(1.0, parallelism=8).at(2.0, parallelism=3)
     sink = ListSink()
     spec = spec_for(sim, parallelism=2, verifier="none", responses_create_params={"max_output_tokens": 5})
-    t0 = time.monotonic()
     with GaugeWatcher(sim) as watch:
         run = asyncio.ensure_future(run_collection(spec, materialize(math_rows(100000), 1), sink, control))
-        await asyncio.sleep(3.0)
+        while control.t0 is None:  # the plan's clock starts at the run's first poll, later on a loaded machine
+            await asyncio.sleep(0.01)
+        t0 = control.t0
+        await asyncio.sleep(3.0 - (time.monotonic() - t0))
         control.at(0.0, action="cancel")  # plan entries apply in order: cancel wins from now on
         control.plan = [(0.0, control.plan[-1][1])]
         summary = await asyncio.wait_for(run, 5)
     assert summary.cancelled
 
-    def peak(a, b):
+    def peak(a, b):  # the windows are times on the plan's clock
         return max(v for t, v in watch.samples if a <= t - t0 < b)
     assert peak(0.2, 0.9) <= 2
     assert peak(1.3, 1.9) == 8
