@@ -50,8 +50,11 @@ class Proc:
                                      start_new_session=True)
 
     def output(self) -> str:
+        return self.full_output()[-6000:]
+
+    def full_output(self) -> str:
         try:
-            return Path(self.log.name).read_text(errors="replace")[-6000:]
+            return Path(self.log.name).read_text(errors="replace")
         except OSError:
             return ""
 
@@ -119,7 +122,9 @@ def start_celery(env: dict, concurrency=2, timeout=60.0, name: str | None = None
     while time.monotonic() < deadline:
         if p.proc.poll() is not None:
             raise RuntimeError(f"celery exited: {p.output()}")
-        if " ready." in p.output():
+        # the whole log: a worker that starts on a queue holding earlier tests' leftover tasks logs them by the
+        # hundred right after its " ready." line, past the tail output() shows
+        if " ready." in p.full_output():
             return p
         time.sleep(0.3)
     p.stop()
