@@ -26,3 +26,19 @@ def eager_tasks():
     app.conf.task_always_eager = True
     yield
     app.conf.task_always_eager = before
+
+
+@pytest.fixture
+def counter():
+    """(key, read): a Redis counter a test's verifiers INCR once per real computation (tests/verifier_plugins.py
+    `counted`), so tests count work done, not cache bookkeeping."""
+    import os
+    import uuid
+
+    import redis
+
+    key = f"test:verify-count:{uuid.uuid4().hex}"
+    r = redis.Redis.from_url(os.environ.get("TEST_REDIS_URL") or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0")
+    yield key, lambda: int(r.get(key) or 0)
+    r.delete(key)
+    r.close()

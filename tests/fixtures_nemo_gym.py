@@ -75,14 +75,19 @@ class NemoGym:
         return resolve_sync(self.head_url)
 
 
-@pytest.fixture(scope="session")
-def nemo_gym():
+def _set_up_or_skip() -> None:
+    """nemo-gym's venv, built once (scripts/nemo_gym.sh setup); skip where no Python >= 3.12 exists."""
     res = _script("python")
     if res.returncode == 3:
         pytest.skip(res.stderr.strip() or "no Python >= 3.12 for nemo-gym")
     setup = _script("setup", timeout=1200)
     if setup.returncode != 0:
         raise RuntimeError(f"scripts/nemo_gym.sh setup failed:\n{setup.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def nemo_gym():
+    _set_up_or_skip()
     # every arithmetic answer right: a reward then depends only on the row (its expected_answer), so two
     # collections of the same file agree row by row
     sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0, math_accuracy=1.0)
@@ -97,12 +102,7 @@ def nemo_gym():
 
 @pytest.fixture(scope="module")
 def nemo_gym_tools():
-    res = _script("python")
-    if res.returncode == 3:
-        pytest.skip(res.stderr.strip() or "no Python >= 3.12 for nemo-gym")
-    setup = _script("setup", timeout=1200)
-    if setup.returncode != 0:
-        raise RuntimeError(f"scripts/nemo_gym.sh setup failed:\n{setup.stderr[-4000:]}")
+    _set_up_or_skip()
     sim = start_simulator(ttft_ms=20, itl_ms=2, jitter=0, seed=0, math_accuracy=1.0)
     ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-tools-run-"))
     # the first start builds the tool agent's server venvs too (uv; a few minutes on a busy machine)

@@ -23,15 +23,6 @@ from tests.lanes import serve_control
 REDIS_URL = os.environ.get("TEST_REDIS_URL") or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture
-def counter():
-    key = f"test:verify-count:{uuid.uuid4().hex}"
-    r = redis.Redis.from_url(REDIS_URL)
-    yield key, lambda: int(r.get(key) or 0)
-    r.delete(key)
-    r.close()
-
-
 def _rows(distinct=12, copies=4):
     """Each question `copies` times, spread so that every copy falls in another chunk of 6 rows."""
     out = []

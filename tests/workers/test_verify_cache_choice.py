@@ -17,15 +17,6 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL") or os.environ.get("REDIS_URL") or "
 ROW = {"expected_answer": "4"}
 
 
-@pytest.fixture
-def counter():
-    key = f"test:verify-count:{uuid.uuid4().hex}"
-    r = redis.Redis.from_url(REDIS_URL)
-    yield key, lambda: int(r.get(key) or 0)
-    r.delete(key)
-    r.close()
-
-
 def _run(verifier, options, texts, scope, *, choice="measured", concurrency=32):
     async def main():
         ex = VerifyExecutor(verifier, options, cache="job", shared_url=REDIS_URL, shared_scope=scope,
