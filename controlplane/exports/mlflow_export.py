@@ -7,8 +7,9 @@ names one of the deployment's tracking servers (setting MLFLOW_TRACKING_URIS, na
 exact URI; anything else is refused: a user-supplied URI would let a user make the workers write files where
 they please or call any address. The job stores the name, resolved to the URI only when the run is exported.
 
-Live: while the job runs, a beat task on the control lane (`live_tick`, every MLFLOW_LIVE_INTERVAL_S) opens the
-run and appends each second of the series once every sample of that second is stored (MLFLOW_LIVE_LAG_S later);
+Live: while the job runs, a beat task on the control lane (every MLFLOW_LIVE_INTERVAL_S; one query) queues a tick
+per live job on the work queue (`live_tick_job`: it calls the tracking server, which must never hold a control
+slot), which opens the run and appends each second of the series once every sample of that second is stored (MLFLOW_LIVE_LAG_S later);
 the job's end appends the rest, the aggregates and the artifacts, and closes the run. Each second is written
 exactly once: a writer first moves the job's cursor (`mlflow_live.until`, the first second not yet written) with
 a conditional UPDATE, and writes only the seconds it moved past.
@@ -207,39 +208,51 @@ def _log_series(client, rid: str, job, since: int, until: int | None) -> int:
     return len(metrics)
 
 
-def live_tick(now=None) -> dict:
-    """The beat task's body: for every running job that asked for MLflow, open its run (first tick) and append
-    the seconds whose samples are all stored. Nothing is queried when no tracking server is configured."""
+def live_jobs():
+    """The running jobs that asked for MLflow and whose run is not closed; none (and no query) when no tracking
+    server is configured."""
+    if not targets():
+        return CollectionJob.objects.none()
+    return (CollectionJob.objects.filter(state=JobState.RUNNING, collection_options__has_key=OPTION)
+            .exclude(collection_options__has_key=RUN_ID).select_related("endpoint", "dataset"))
+
+
+def live_tick_job(job, now=None) -> int:
+    """Open the job's run (first tick) and append the seconds whose samples are all stored; the points written.
+    Calls the tracking server: run off the control lane (exports.tasks.mlflow_live_job_task)."""
     known = targets()
-    if not known:
-        return {"jobs": 0, "points": 0}
+    name = (job.collection_options or {}).get(OPTION)
+    uri = known.get(name)
+    if not uri or (job.collection_options or {}).get(RUN_ID) or str(job.state) != JobState.RUNNING:
+        return 0
     now = now or timezone.now()
     lag = float(getattr(settings, "MLFLOW_LIVE_LAG_S", 5.0))
+    try:
+        client = _client(uri)
+        if LIVE not in (job.collection_options or {}):
+            rid = _open_run(client, job, name, uri)
+            opened = CollectionJob.objects.filter(pk=job.pk).exclude(collection_options__has_key=LIVE).update(
+                collection_options={**job.collection_options, LIVE: {"run_id": rid, "until": 0}})
+            if not opened:  # another tick opened one first
+                client.delete_run(rid)
+        t0 = job.started_at or job.created_at
+        until = int((now - t0).total_seconds() - lag)
+        claim = _move_cursor(job.pk, until) if until > 0 else None
+        if claim:
+            rid, since = claim
+            return _log_series(client, rid, job, since, until)
+    except Exception:  # noqa: BLE001 - a tracker being down never fails the job; the end writes what is left
+        log.exception("job %s: live MLflow metrics failed", job.pk)
+    return 0
+
+
+def live_tick(now=None) -> dict:
+    """Every live job's tick in this process, one after the other: {"jobs": ticked with points, "points"}."""
     done = {"jobs": 0, "points": 0}
-    jobs = (CollectionJob.objects.filter(state=JobState.RUNNING, collection_options__has_key=OPTION)
-            .select_related("endpoint", "dataset"))
-    for job in jobs:
-        name = (job.collection_options or {}).get(OPTION)
-        uri = known.get(name)
-        if not uri or (job.collection_options or {}).get(RUN_ID):
-            continue
-        try:
-            client = _client(uri)
-            if LIVE not in (job.collection_options or {}):
-                rid = _open_run(client, job, name, uri)
-                opened = CollectionJob.objects.filter(pk=job.pk).exclude(collection_options__has_key=LIVE).update(
-                    collection_options={**job.collection_options, LIVE: {"run_id": rid, "until": 0}})
-                if not opened:  # another tick opened one first
-                    client.delete_run(rid)
-            t0 = job.started_at or job.created_at
-            until = int((now - t0).total_seconds() - lag)
-            claim = _move_cursor(job.pk, until) if until > 0 else None
-            if claim:
-                rid, since = claim
-                done["points"] += _log_series(client, rid, job, since, until)
-                done["jobs"] += 1
-        except Exception:  # noqa: BLE001 - a tracker being down never fails the job; the end writes what is left
-            log.exception("job %s: live MLflow metrics failed", job.pk)
+    for job in live_jobs():
+        points = live_tick_job(job, now)
+        done["jobs"] += bool(points)
+        done["points"] += points
     return done
 
 

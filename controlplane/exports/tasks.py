@@ -32,9 +32,19 @@ def export_job_task(job_id: int) -> dict:
 
 
 @shared_task(name="controlplane.exports.tasks.mlflow_live_task", ignore_result=True)
-def mlflow_live_task() -> dict:
-    """Beat (control lane): append the running jobs' MLflow series while they run."""
-    return mlflow_export.live_tick()
+def mlflow_live_task() -> int:
+    """Beat (control lane): one query, then a tick per live job on the work queue, where the calls to the tracking
+    server go (a slow tracker never holds a control slot). A tick queued twice writes nothing twice (the cursor)."""
+    ids = list(mlflow_export.live_jobs().values_list("pk", flat=True))
+    for job_id in ids:
+        mlflow_live_job_task.delay(job_id)
+    return len(ids)
+
+
+@shared_task(name="controlplane.exports.tasks.mlflow_live_job_task", ignore_result=True)
+def mlflow_live_job_task(job_id: int) -> int:
+    job = CollectionJob.objects.select_related("endpoint", "dataset").filter(pk=job_id).first()
+    return mlflow_export.live_tick_job(job) if job is not None else 0
 
 
 def wanted(info: dict) -> bool:

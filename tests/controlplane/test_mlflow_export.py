@@ -165,6 +165,12 @@ def test_series_go_to_mlflow_while_the_job_runs_each_second_once(tracking):
     assert _move_cursor(job.pk, 5) is None  # a late writer cannot move the cursor back
     assert live_tick(now=t0 + timezone.timedelta(seconds=20))["points"] == 8 * 5  # seconds 7-14
     assert history("output_tokens_per_s") == [(s, 9.0 * s) for s in range(15)]
+    # the beat (control lane) only queues a tick per live job; the tick, which calls the tracker, is a work task
+    queued = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_tasks.mlflow_live_job_task, "delay", queued.append)
+        assert export_tasks.mlflow_live_task() == 1 and queued == [job.pk]
+    assert not is_control("controlplane.exports.tasks.mlflow_live_job_task")
 
     # the job ends: the rest of the series, the aggregates, the run closed; each second exactly once
     CollectionJob.objects.filter(pk=job.pk).update(state="completed", finished_at=t0 + timezone.timedelta(seconds=21))
