@@ -365,3 +365,15 @@ def test_failed_rollouts_do_not_hold_the_buffer_for_good(alice, simulator_factor
     assert _work(job) > 0  # ... and collection goes on
     b = _take(api, job, max=10)
     assert b["count"] == 4 and {r["status"] for r in b["rollouts"]} == {"ok"}
+
+
+def test_another_user_can_neither_stop_nor_see_an_open_ended_job(alice, bob, sim):
+    """A second account: stop, the stream and the job are 404 (not 403: not even its existence shows)."""
+    job = _create(_client(alice), ingest_dataset(alice, n=4), make_endpoint(alice, sim.url, model=sim.model, name="sim-o2"),
+                  open_ended={"buffer": 4, "consumer": "trainer"})
+    mallory = _client(bob)
+    assert mallory.post(f"/api/jobs/{job.pk}/stop/").status_code == 404
+    assert mallory.get(f"/api/jobs/{job.pk}/stream/", {"consumer": "trainer"}).status_code == 404
+    assert mallory.get(f"/api/jobs/{job.pk}/").status_code == 404
+    job.refresh_from_db()
+    assert job.open_ended["stopping"] is False and job.state == "queued"  # untouched (no worker here)
