@@ -48,10 +48,23 @@ except ImportError:
     from json import loads as decode_batch  # noqa: E402
 
 
-def export_parsed(client, token, job_id) -> dict:
+def rss_marks(total: int):
+    """RSS (MiB) of this process (server and client both: the test client) as rows reach 10 %, 50 %, 100 %."""
+    import psutil
+
+    proc, todo, marks = psutil.Process(), [(0.1, "10%"), (0.5, "50%"), (1.0, "100%")], {}
+
+    def at(n: int) -> None:
+        while todo and n >= todo[0][0] * total:
+            marks[todo.pop(0)[1]] = proc.memory_info().rss / 2**20
+    return marks, at
+
+
+def export_parsed(client, token, job_id, total: int = 0) -> dict:
     """GET /api/jobs/<id>/export/?which=ok, every line decoded (what a trainer reading the export does)."""
     import json
 
+    marks, at = rss_marks(total)
     sampler = RssSampler()
     sampler.start()
     t0 = time.perf_counter()
@@ -64,11 +77,13 @@ def export_parsed(client, token, job_id) -> dict:
         for line in lines:
             json.loads(line)
             n += 1
+        at(n)
     resp.close()
-    return {"lines": n, "wall_s": time.perf_counter() - t0, "rss_growth": sampler.stop()}
+    return {"lines": n, "wall_s": time.perf_counter() - t0, "rss_growth": sampler.stop(), "rss_at": marks}
 
 
-def drain(client, token, job_id, consumer, batch, fields: str = "") -> dict:
+def drain(client, token, job_id, consumer, batch, fields: str = "", total: int = 0) -> dict:
+    marks, at = rss_marks(total)
     sampler = RssSampler()
     sampler.start()
     auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
@@ -84,9 +99,10 @@ def drain(client, token, job_id, consumer, batch, fields: str = "") -> dict:
             break
         n += body["count"]
         batches += 1
+        at(n)
         params = {"consumer": consumer, "max": batch, "ack": body["token"], **extra}
     wall = time.perf_counter() - t0
-    return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop()}
+    return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop(), "rss_at": marks}
 
 
 def fill_fast(job, n: int, template: int = 2000) -> float:
@@ -210,9 +226,9 @@ def main(argv=None):
                 cur.execute("ANALYZE jobs_rollout")
             print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)
             measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
-            exp = export_parsed(client, token, job.pk)
-            st = drain(client, token, job.pk, "drain", args.batch)
-            lean = drain(client, token, job.pk, "drain-lean", args.batch, args.fields) if args.fields else None
+            exp = export_parsed(client, token, job.pk, n)
+            st = drain(client, token, job.pk, "drain", args.batch, total=n)
+            lean = drain(client, token, job.pk, "drain-lean", args.batch, args.fields, n) if args.fields else None
             assert exp["lines"] == n and st["rows"] == n and (lean is None or lean["rows"] == n), (exp["lines"], st["rows"])
             results.append((n, exp, st, lean))
             print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s"
@@ -234,6 +250,12 @@ def main(argv=None):
                      f"{lean['rss_growth'] / 2**20:>16.1f}" if lean else ""))
         if args.fields:
             print(f"fields= is ?fields={args.fields}")
+        print("\nRSS MiB of the process (server and client in one: the test client) at 10 % / 50 % / 100 % of rows read:")
+        for n, exp, st, lean in results:
+            for name, r in (("export", exp), ("stream", st), ("fields=", lean)):
+                if r is not None:
+                    m = r["rss_at"]
+                    print(f"  {n:>9,} {name:>8}: " + " / ".join(f"{m.get(k, float('nan')):.0f}" for k in ("10%", "50%", "100%")))
         print(f"\nDelivery latency (batch committed -> consumer has it), {args.rate:.0f} rollouts/s stored in batches "
               f"every {args.flush_s} s for {args.latency_s:.0f} s, long-poll wait=5:")
         print(f"  {lat['n']:,} of {lat['stored']:,} delivered: p50 {lat['p50_ms']:.0f} ms, p95 {lat['p95_ms']:.0f} ms, "
