@@ -5,6 +5,7 @@ the digest and a 15-character lookup prefix, never the token), with an expiry, r
     DELETE /api/auth/token/   revoke the token this request was sent with (logout)
 
 An expired token answers 401 with code `token_expired` and says how to get a new one."""
+from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from knox.models import AuthToken
@@ -32,6 +33,9 @@ class ExpiringTokenScheme(OpenApiAuthenticationExtension):
 
 def issue_token(user) -> tuple[str, object]:
     """A new token for `user` (the plaintext is returned once, never stored) and its expiry."""
+    # the user's expired tokens go now (the authentication checks only the token presented; see
+    # controlplane.rest.authentication)
+    AuthToken.objects.filter(user=user, expiry__lt=timezone.now()).delete()
     instance, token = AuthToken.objects.create(user=user)
     return token, instance.expiry
 

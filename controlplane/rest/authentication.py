@@ -5,6 +5,7 @@ from hmac import compare_digest
 from django.utils import timezone
 from knox.auth import TokenAuthentication as KnoxTokenAuthentication
 from knox.crypto import hash_token
+from knox.signals import token_expired
 from rest_framework.exceptions import AuthenticationFailed
 
 EXPIRED_MESSAGE = "Token expired: get a new one with POST /api/auth/token/ (username, password)."
@@ -25,7 +26,14 @@ class ExpiringTokenAuthentication(KnoxTokenAuthentication):
             raise
 
     def _cleanup_token(self, auth_token) -> bool:
-        expired = auth_token.expiry is not None and auth_token.expiry < timezone.now()
-        if expired and compare_digest(hash_token(self._presented), auth_token.digest):
+        """True (and the token deleted) when `auth_token` has expired. Only this token: knox also reads all the
+        user's other tokens on every request to delete the expired ones (a query per request, as many rows as
+        the user has tokens); issue_token deletes those instead, once per login."""
+        if auth_token.expiry is None or auth_token.expiry >= timezone.now():
+            return False
+        if compare_digest(hash_token(self._presented), auth_token.digest):
             self._expired = True
-        return super()._cleanup_token(auth_token)
+        username = auth_token.user.get_username()
+        auth_token.delete()
+        token_expired.send(sender=KnoxTokenAuthentication, username=username, source="auth_token")
+        return True

@@ -152,3 +152,28 @@ def test_throttled_per_user(api, bob_api, settings):
     r = api.get("/api/jobs/")
     assert r.status_code == 429 and "throttled" in r.json()["detail"].lower() and int(r["Retry-After"]) > 0
     assert bob_api.get("/api/jobs/").status_code == 200  # counted per user/token, not globally
+
+
+def test_a_request_reads_only_the_presented_token_and_a_login_purges_the_expired(anon, alice):
+    """Authentication costs one query however many tokens the user holds (knox would read them all on each
+    request); the user's expired tokens go when a new one is issued, and the live ones stay."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from knox.models import AuthToken
+    from knox.settings import CONSTANTS
+
+    from controlplane.api.auth import issue_token
+    from controlplane.rest.authentication import ExpiringTokenAuthentication
+
+    for _ in range(3):
+        issue_token(alice)
+    old = AuthToken.objects.filter(user=alice).exclude(token_key=alice.api_token[:CONSTANTS.TOKEN_KEY_LENGTH])[:2]
+    AuthToken.objects.filter(pk__in=[t.pk for t in old]).update(expiry=timezone.now() - timedelta(seconds=1))
+    with CaptureQueriesContext(connection) as q:
+        user, _ = ExpiringTokenAuthentication().authenticate_credentials(alice.api_token.encode())
+    assert user == alice and len(q.captured_queries) == 1, [x["sql"] for x in q.captured_queries]
+    assert AuthToken.objects.filter(user=alice).count() == 4  # the expired two are not touched by a request
+    r = anon.post("/api/auth/token/", {"username": "alice", "password": "pw-alice"}, format="json")
+    assert r.status_code == 200
+    live = AuthToken.objects.filter(user=alice)
+    assert live.count() == 3 and all(t.expiry > timezone.now() for t in live)
