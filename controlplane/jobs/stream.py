@@ -265,10 +265,12 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
     fields) gives them (which rows are handed out does not depend on them); on PostgreSQL a fresh batch of rows (not groups) is read whole while it is planned and
     comes as "rows" (else "rows" is None: read them with rows_json). `ack_token`: acknowledge that batch first, as
     ack() does, in the same transaction as the take's first look (one request per batch: fewer round trips to
-    the database, each a wait for its process to be scheduled on a busy machine)."""
+    the database, each a wait for its process to be scheduled on a busy machine). `job`: as read just before
+    (the first look uses its bound and repeats as they are; the later looks of a long poll read them again)."""
     max_n = max(1, min(int(max_n), MAX_BATCH))
     deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
     skipped_stale = skipped_equal = 0
+    looked = False
     while True:
         passed = False
         with transaction.atomic():
@@ -284,7 +286,9 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
                 return {"token": c.pending_token, "cursor": c.pending_cursor, "redelivered": True,
                         "ids": unpack_ids(c.pending_ids), "skipped_stale": 0, "skipped_equal": 0,
                         "current_version": current, "rows": None}
-            job.refresh_from_db(fields=["max_version_lag", "stale_policy", "num_repeats", "verify_mode"])
+            if looked:  # `job` was read by the caller just before (its request); a long poll's later looks re-read it
+                job.refresh_from_db(fields=["max_version_lag", "stale_policy", "num_repeats", "verify_mode"])
+            looked = True
             rows = None
             if groups:
                 ids, stale, equal, high = _plan_groups(job, c.cursor, max_n, current, skip_equal)
