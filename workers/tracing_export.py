@@ -270,48 +270,24 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
         pass
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import SpanExportResult
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-    from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
     plog = logging.getLogger(__name__ + ".process")
     otlp = OTLPSpanExporter(endpoint=endpoint, headers=headers or None, timeout=10)
-    resource = Resource.create({"service.name": service_name})
-    scope = InstrumentationScope("workers.engine")
-    flags = TraceFlags(TraceFlags.SAMPLED)
-    kinds = {0: SpanKind.INTERNAL, 1: SpanKind.SERVER, 2: SpanKind.CLIENT}
-    ok = Status(StatusCode.UNSET)
+    encode_span, encode = _encoder(Resource.create({"service.name": service_name}), "workers.engine")
     counts = {"exported": 0, "failed": 0}
     pending: list = []
     oldest = 0.0
-
-    def build(t) -> ReadableSpan:
-        name, trace_id, span_id, parent_id, kind, start_ns, end_ns, attributes, error, links = t
-        return ReadableSpan(
-            name=name,
-            context=SpanContext(trace_id, span_id, False, flags),
-            parent=SpanContext(trace_id, parent_id, False, flags) if parent_id else None,
-            resource=resource,
-            attributes={k: v for k, v in attributes.items() if v is not None and v != ""},
-            links=tuple(Link(SpanContext(lt, ls, False, flags)) for lt, ls in links),
-            kind=kinds.get(kind, SpanKind.INTERNAL),
-            instrumentation_scope=scope,
-            status=Status(StatusCode.ERROR, error) if error else ok,
-            start_time=start_ns,
-            end_time=end_ns,
-        )
 
     def export_pending() -> None:
         while pending:
             batch = pending[:EXPORT_BATCH_SPANS]
             del pending[:EXPORT_BATCH_SPANS]
             try:
-                result = otlp.export(batch)
+                ok = _post(otlp, encode(batch))
             except Exception:  # noqa: BLE001
                 plog.exception("tracing: OTLP export failed")
-                result = SpanExportResult.FAILURE
-            counts["exported" if result == SpanExportResult.SUCCESS else "failed"] += len(batch)
+                ok = False
+            counts["exported" if ok else "failed"] += len(batch)
 
     running = True
     while running:
@@ -326,7 +302,7 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
                 oldest = time.monotonic()
             for t in msg:
                 try:
-                    pending.append(build(t))
+                    pending.append(encode_span(t))
                 except Exception:  # noqa: BLE001 (one bad span never stops the exporter)
                     counts["failed"] += 1
         if pending and (
@@ -344,3 +320,72 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
     if counts["failed"]:
         plog.warning("tracing: %d spans could not be exported to %s", counts["failed"], endpoint)
     otlp.shutdown()
+
+
+def _encoder(resource, scope_name: str):
+    """(span tuple -> protobuf Span, [Span] -> serialized ExportTraceServiceRequest): what the SDK's encoder makes
+    of a ReadableSpan (the same fields, flags, kinds and status), without building SDK spans first."""
+    from opentelemetry.exporter.otlp.proto.common._internal import _encode_resource, _encode_value
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, SpanFlags, Status
+
+    pb_resource = _encode_resource(resource)
+    pb_scope = InstrumentationScope(name=scope_name)
+    flags = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK  # parents and links are local (not remote)
+    kinds = {0: Span.SPAN_KIND_INTERNAL, 1: Span.SPAN_KIND_SERVER, 2: Span.SPAN_KIND_CLIENT}
+    error_code = Status.STATUS_CODE_ERROR
+
+    def value(v) -> AnyValue:
+        t = type(v)
+        if t is str:
+            return AnyValue(string_value=v)
+        if t is bool:
+            return AnyValue(bool_value=v)
+        if t is int:
+            return AnyValue(int_value=v)
+        if t is float:
+            return AnyValue(double_value=v)
+        return _encode_value(v)  # sequences (and anything else, as the SDK would)
+
+    def encode_span(t) -> Span:
+        name, trace_id, span_id, parent_id, kind, start_ns, end_ns, attributes, error, links = t
+        tid = trace_id.to_bytes(16, "big")
+        return Span(
+            trace_id=tid,
+            span_id=span_id.to_bytes(8, "big"),
+            parent_span_id=parent_id.to_bytes(8, "big") if parent_id else None,
+            name=name,
+            kind=kinds.get(kind, Span.SPAN_KIND_INTERNAL),
+            start_time_unix_nano=start_ns,
+            end_time_unix_nano=end_ns,
+            attributes=[KeyValue(key=k, value=value(v)) for k, v in attributes.items() if v is not None and v != ""],
+            links=[
+                Span.Link(trace_id=lt.to_bytes(16, "big"), span_id=ls.to_bytes(8, "big"), flags=flags)
+                for lt, ls in links
+            ]
+            or None,
+            status=Status(code=error_code, message=error) if error else Status(),
+            flags=flags,
+        )
+
+    def encode(spans: list) -> bytes:
+        request = ExportTraceServiceRequest(
+            resource_spans=[ResourceSpans(resource=pb_resource, scope_spans=[ScopeSpans(scope=pb_scope, spans=spans)])]
+        )
+        return request.SerializePartialToString()
+
+    return encode_span, encode
+
+
+def _post(otlp, data: bytes) -> bool:
+    """Send an encoded request with the SDK exporter's own HTTP client (its endpoint, headers, timeout, retries,
+    compression and size limit): what OTLPSpanExporter.export does after encoding."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import _is_request_too_large
+
+    if otlp._shutdown:
+        return False
+    if _is_request_too_large(data, otlp._max_request_size):
+        log.warning("tracing: dropping a span batch of %d bytes (over the exporter's max_request_size)", len(data))
+        return False
+    return bool(otlp._client.export(data).success)
