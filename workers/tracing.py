@@ -69,7 +69,7 @@ class _Span:
 
     __slots__ = ("name", "span_id", "start_ns", "end_ns", "attributes", "error", "kind")
 
-    def __init__(self, name: str, start_ns: int, attributes: dict[str, Any], kind: int = 0):
+    def __init__(self, name: str, start_ns: int, attributes: dict[str, Any] | tuple, kind: int = 0):
         self.name = name
         self.span_id = _span_id()
         self.start_ns = start_ns
@@ -131,11 +131,7 @@ class RunTracer:
         result.trace_id. A rollout outside the sample ratio records nothing."""
         if self.ratio < 1.0 and not sampled(result.trace_id, self.ratio):
             return
-        root = _Span(
-            "rollout",
-            time.time_ns() - int(waited_s * 1e9),
-            {"rollout.task_index": result.task_index, "rollout.rollout_index": result.rollout_index},
-        )
+        root = _Span("rollout", time.time_ns() - int(waited_s * 1e9), (result.task_index, result.rollout_index))
         self._rollouts[id(result)] = _Rollout(int(result.trace_id, 16), root)
 
     def rollout_end(self, result, abandoned: bool = False) -> None:
@@ -144,27 +140,26 @@ class RunTracer:
             return
         root = rec.root
         root.end_ns = time.time_ns()
-        attrs = root.attributes
-        attrs.update(
-            {
-                "rollout.ok": bool(result.ok),
-                "rollout.attempts": result.attempts,
-                "rollout.failure_class": result.failure_class,
-                "rollout.reward": result.reward,
-                "gen_ai.usage.input_tokens": result.input_tokens,
-                "gen_ai.usage.output_tokens": result.output_tokens,
-                "rollout.replica": result.replica,
-                "rollout.weight_version": result.weight_version,
-                "rollout.queue_ms": result.queue_ms,
-                "rollout.ttft_ms": result.ttft_ms,
-                "rollout.generation_ms": result.generation_ms,
-                "rollout.verify_ms": result.verify_ms,
-                "rollout.wall_ms": result.wall_ms,
-            }
+        # a compact record: the values of ROLLOUT_ATTRS, named in the exporter process (no dict per rollout here)
+        root.attributes = (
+            result.task_index,
+            result.rollout_index,
+            bool(result.ok),
+            result.attempts,
+            result.failure_class,
+            result.reward,
+            result.input_tokens,
+            result.output_tokens,
+            result.replica,
+            result.weight_version,
+            result.queue_ms,
+            result.ttft_ms,
+            result.generation_ms,
+            result.verify_ms,
+            result.wall_ms,
+            True if abandoned else None,
         )
-        if abandoned:
-            attrs["rollout.abandoned"] = True
-        elif not result.ok:
+        if not abandoned and not result.ok:
             root.error = (result.error or result.failure_class)[:200]
         self._finish(rec)
 
@@ -231,7 +226,7 @@ class RunTracer:
         for key in list(self._rollouts):
             rec = self._rollouts.pop(key, None)
             if rec is not None:
-                rec.root.attributes["rollout.abandoned"] = True
+                rec.root.attributes = (*rec.root.attributes[:2], *(None,) * 13, True)  # ROLLOUT_ATTRS' order
                 rec.root.end_ns = time.time_ns()
                 self._finish(rec)
         chunk = self.chunk

@@ -11,7 +11,9 @@ flushed and stopped at the worker process's exit (atexit), and stops by itself w
 worker is gone).
 
 A span tuple (SPAN_FIELDS): (name, trace_id, span_id, parent_span_id or 0, kind (0 internal, 2 client),
-start_ns, end_ns, attributes dict, error ("" = ok), links ((trace_id, span_id), ...)); ids are ints.
+start_ns, end_ns, attributes, error ("" = ok), links ((trace_id, span_id), ...)); ids are ints. The attributes are
+a dict, or a rollout's compact record: a tuple of the values of ROLLOUT_ATTRS, in order (named here, in the
+exporter process, so that the worker builds no dict per rollout). None and "" values are left out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,24 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SPAN_FIELDS = ("name", "trace_id", "span_id", "parent_id", "kind", "start_ns", "end_ns", "attributes", "error", "links")
+ROLLOUT_ATTRS = (
+    "rollout.task_index",
+    "rollout.rollout_index",
+    "rollout.ok",
+    "rollout.attempts",
+    "rollout.failure_class",
+    "rollout.reward",
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.output_tokens",
+    "rollout.replica",
+    "rollout.weight_version",
+    "rollout.queue_ms",
+    "rollout.ttft_ms",
+    "rollout.generation_ms",
+    "rollout.verify_ms",
+    "rollout.wall_ms",
+    "rollout.abandoned",
+)
 QUEUE_BATCHES = 256  # batches (256 spans each at most) waiting for the exporter process; more are dropped and counted
 EXPORT_BATCH_SPANS = 512  # spans per OTLP request
 EXPORTER_NICE = 10  # the exporter process's niceness (over the worker's)
@@ -359,7 +379,11 @@ def _encoder(resource, scope_name: str):
             kind=kinds.get(kind, Span.SPAN_KIND_INTERNAL),
             start_time_unix_nano=start_ns,
             end_time_unix_nano=end_ns,
-            attributes=[KeyValue(key=k, value=value(v)) for k, v in attributes.items() if v is not None and v != ""],
+            attributes=[
+                KeyValue(key=k, value=value(v))
+                for k, v in (zip(ROLLOUT_ATTRS, attributes) if type(attributes) is tuple else attributes.items())
+                if v is not None and v != ""
+            ],
             links=[
                 Span.Link(trace_id=lt.to_bytes(16, "big"), span_id=ls.to_bytes(8, "big"), flags=flags)
                 for lt, ls in links
