@@ -398,10 +398,14 @@ def refresh_counts(job):
 
 
 def compute_summaries(job, batch_size=2000):
-    """(aggregate_metrics, timing_summary) over the job's stored rows, streamed in constant memory.
-    Aggregates are over the successful output rows (NeMo Gym's output file); timings over every row."""
-    agg = AggregateAccumulator(ordered_by_task=True)
-    timing = TimingAccumulator()
+    """(aggregate_metrics, timing_summary) over the job's stored rows, streamed in constant memory: sums,
+    counts, min and max here, medians and percentiles from the database (quantiles), so the worker holds no
+    per-rollout value however big the job. Aggregates are over the successful output rows (NeMo Gym's
+    output file); timings over every row."""
+    from . import quantiles
+
+    agg = AggregateAccumulator(ordered_by_task=True, keep_values=False)
+    timing = TimingAccumulator(keep_values=False)
     # (task, repeat) order walks the unique index and lets the accumulator fold each finished task
     qs = (Rollout.objects.filter(job_id=job.pk).order_by("task_index", "rollout_index")
           .values_list("status", "data", "failure_class", *TIMING_FIELDS))
@@ -409,7 +413,8 @@ def compute_summaries(job, batch_size=2000):
         timing.add(**dict(zip(TIMING_FIELDS, timings)))
         if status == Rollout.Status.OK:
             agg.add(data)
-    return agg.result(), timing.result()
+    return (agg.result(medians=lambda key, n: quantiles.field_median(job.pk, key, n)),
+            timing.result(percentiles=lambda name, n: quantiles.timing_percentiles(job.pk, name, n)))
 
 
 def finalize_job(job, launch=True):

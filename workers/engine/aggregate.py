@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from typing import Any, Iterable
+from fractions import Fraction
+from typing import Any, Callable, Iterable
 
 from .types import TIMING_FIELDS
 
@@ -65,6 +66,67 @@ def describe(values) -> dict[str, float]:
     return {"mean": mean, "min": s[0], "max": s[-1], "median": quantile(s, 0.5), "std": math.sqrt(var)}
 
 
+_SCALE = 1074  # every finite float is an integer multiple of 2**-1074
+
+
+class RunningStats:
+    """count, exact sum, exact sum of squares, min and max of floats, in constant memory: the figures of
+    `describe` without keeping the values. The mean is the same float as `describe`'s (the correctly
+    rounded sum over n, like math.fsum); the std is the correctly rounded population std of the exact
+    values, which can differ from `describe`'s (a sum of rounded squared deviations) in the last bits
+    (relative error below 1e-15). The median is not here: it needs the values (see `quantile_ranks`)."""
+
+    __slots__ = ("count", "_sum", "_sumsq", "min", "max")
+
+    def __init__(self):
+        self.count = 0
+        self._sum = 0  # exact sum, in units of 2**-1074
+        self._sumsq = 0  # exact sum of squares, in units of 2**-2148
+        self.min = math.inf
+        self.max = -math.inf
+
+    def add(self, x: float) -> None:
+        num, den = x.as_integer_ratio()
+        scaled = num << (_SCALE - den.bit_length() + 1)
+        self.count += 1
+        self._sum += scaled
+        self._sumsq += scaled * scaled
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
+
+    def mean(self) -> float | None:
+        if not self.count:
+            return None
+        return float(Fraction(self._sum, 1 << _SCALE)) / self.count
+
+    def describe(self, median: float) -> dict[str, float]:
+        mean = self.mean()
+        m = Fraction(mean)
+        s = Fraction(self._sum, 1 << _SCALE)
+        q = Fraction(self._sumsq, 1 << (2 * _SCALE))
+        ssd = q - 2 * m * s + self.count * m * m  # exact sum of (x - mean)**2
+        var = float(ssd) / self.count
+        return {"mean": mean, "min": self.min, "max": self.max, "median": median, "std": math.sqrt(var)}
+
+
+def quantile_ranks(n: int, q: float, method: str = "linear") -> tuple[int, int, float]:
+    """(lo, hi, frac): `quantile` of n sorted values is v[lo] + (v[hi] - v[lo]) * frac (nearest: v[lo]),
+    so a caller that can fetch the values at given ranks (ORDER BY ... OFFSET lo) needs no more."""
+    if method == "nearest":
+        i = min(n - 1, int(n * q))
+        return i, i, 0.0
+    pos = (n - 1) * q
+    lo = int(math.floor(pos))
+    return lo, min(lo + 1, n - 1), pos - lo
+
+
+def quantile_from_ranks(lo_value: float, hi_value: float, frac: float) -> float:
+    """`quantile`'s interpolation, given the values at the ranks of `quantile_ranks`."""
+    return float(lo_value + (hi_value - lo_value) * frac)
+
+
 def timing_percentiles(values: Iterable[float]) -> dict[str, float | None]:
     """{p50, p90, p99} of the values (None entries ignored); all None when there are none."""
     s = sorted(v for v in values if v is not None)
@@ -95,10 +157,14 @@ class AggregateAccumulator:
     """Aggregate metrics over output rows, added one at a time (see the module docstring)."""
 
     def __init__(self, reward_threshold: float = 1.0, answer_field: str = "extracted_answer",
-                 ordered_by_task: bool = False):
+                 ordered_by_task: bool = False, keep_values: bool = True):
         """ordered_by_task: rows arrive grouped by `_ng_task_index` (e.g. read in (task, repeat)
         order from the database). Each task is then folded into a few counters as soon as the next
-        one starts, so memory for pass@k / majority@k stays constant however many tasks a job has."""
+        one starts, so memory for pass@k / majority@k stays constant however many tasks a job has.
+        keep_values=False: keep a `RunningStats` per field instead of every value (constant memory);
+        `result(medians=...)` then needs the medians from whoever holds the rows (e.g. the database)."""
+        self.keep_values = keep_values
+        self.stats: dict[str, RunningStats] = {}
         self.reward_threshold = reward_threshold
         self.answer_field = answer_field
         self.ordered_by_task = ordered_by_task
@@ -116,6 +182,12 @@ class AggregateAccumulator:
             self.majority[1] += 1
 
     def _push(self, key: str, value: float):
+        if not self.keep_values:
+            st = self.stats.get(key)
+            if st is None:
+                st = self.stats[key] = RunningStats()
+            st.add(float(value))
+            return
         arr = self.fields.get(key)
         if arr is None:
             arr = self.fields[key] = array("d")
@@ -166,10 +238,17 @@ class AggregateAccumulator:
             self.add(row)
         return self
 
-    def result(self) -> dict[str, Any]:
+    def result(self, medians: Callable[[str, int], float] | None = None) -> dict[str, Any]:
+        """medians(key, count): the median of a field's values, needed when keep_values is False."""
         out: dict[str, Any] = {"num_rows": self.num_rows}
         for key in sorted(self.fields):
             for stat, value in describe(self.fields[key]).items():
+                out[f"{stat}/{key}"] = value
+        for key in sorted(self.stats):
+            st = self.stats[key]
+            if medians is None:
+                raise ValueError("keep_values=False needs the medians")
+            for stat, value in st.describe(medians(key, st.count)).items():
                 out[f"{stat}/{key}"] = value
         for task in list(self.groups):  # close what is open (result() is called at the end)
             self._fold(task)
@@ -198,18 +277,31 @@ class TimingAccumulator:
 
     NAMES = TIMING_FIELDS
 
-    def __init__(self, names: Iterable[str] = NAMES):
-        self.values: dict[str, array] = {n: array("d") for n in names}
+    def __init__(self, names: Iterable[str] = NAMES, keep_values: bool = True):
+        """keep_values=False: a `RunningStats` per name, not the values; `result(percentiles=...)` then
+        needs the percentiles from whoever holds the rows."""
+        self.keep_values = keep_values
+        self.values: dict[str, array] = {n: array("d") for n in names} if keep_values else {}
+        self.stats = {} if keep_values else {n: RunningStats() for n in names}
 
     def add(self, result: Any = None, **timings: float | None) -> None:
         """Add the timings of a RolloutResult (or any object with those attributes), or keyword values."""
-        for name, arr in self.values.items():
+        for name, arr in (self.values or self.stats).items():
             v = timings.get(name) if name in timings else getattr(result, name, None)
             if v is not None:
-                arr.append(float(v))
+                (arr.append if self.keep_values else arr.add)(float(v))
 
-    def result(self) -> dict[str, dict[str, float | None]]:
+    def result(self, percentiles: Callable[[str, int], dict] | None = None) -> dict[str, dict[str, float | None]]:
+        """percentiles(name, count) -> {p50, p90, p99}: needed when keep_values is False."""
         out = {}
+        for name, st in self.stats.items():
+            if percentiles is None:
+                raise ValueError("keep_values=False needs the percentiles")
+            stats = dict(percentiles(name, st.count)) if st.count else {"p50": None, "p90": None, "p99": None}
+            stats["mean"] = st.mean()
+            stats["max"] = st.max if st.count else None
+            stats["count"] = st.count
+            out[name] = stats
         for name, arr in self.values.items():
             stats: dict[str, float | None] = timing_percentiles(arr)
             stats["mean"] = (math.fsum(arr) / len(arr)) if arr else None
