@@ -140,7 +140,7 @@ def run_mode(mode: str, args, db_url: str, log_dir: Path) -> dict:
         s.headers["Authorization"] = f"Token {user.api_token}"
         # a trainer's client is already talking to the API: the web process's first request (lazy imports, its
         # first database connection) is not what an update costs
-        assert s.get(f"{base}/api/endpoints/{ep.pk}/admin/stats/", timeout=30).status_code == 200
+        assert s.get(f"{base}/api/endpoints/{ep.pk}/ops/stats/", timeout=30).status_code == 200
         posted = []  # (action id, POST wall-clock time)
         t_end = time.monotonic() + args.seconds
         while time.monotonic() < t_end:

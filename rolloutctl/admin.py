@@ -109,7 +109,7 @@ def _print(obj) -> None:
 def run(client, args) -> int:
     if args.command == "endpoint-op":
         body = {k: v for k, v in (("mode", args.mode), ("level", args.level), ("count", args.count)) if v is not None}
-        return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/admin/{args.operation}/",
+        return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/ops/{args.operation}/",
                                                   body))
     if args.command == "update-weights":
         if not args.path and not args.checkpoint_id:
@@ -121,7 +121,7 @@ def run(client, args) -> int:
             body["version"] = args.weight_version
         return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/weights/", body))
     if args.command == "admin-stats":
-        _print(client.get_json(f"endpoints/{args.endpoint}/admin/stats/"))
+        _print(client.get_json(f"endpoints/{args.endpoint}/ops/stats/"))
         return EXIT_OK
     if args.command == "weight-versions":
         _print(client.get_json(f"jobs/{args.job}/weight-versions/"))

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import endpoint_admin, views
+from . import endpoint_ops, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -17,9 +17,9 @@ urlpatterns = [
     path("datasets/<int:dataset_id>/", views.dataset_detail, name="dataset"),
     path("endpoints/", views.endpoints, name="endpoints"),
     path("endpoints/<int:endpoint_id>/health/", views.endpoint_health, name="endpoint_health"),
-    path("endpoints/<int:endpoint_id>/", endpoint_admin.endpoint_detail, name="endpoint"),
-    path("endpoints/<int:endpoint_id>/admin/<str:kind>/", endpoint_admin.endpoint_admin_action, name="endpoint_admin"),
-    path("sweeps/<int:sweep_id>/cancel/", endpoint_admin.sweep_cancel, name="sweep_cancel"),
+    path("endpoints/<int:endpoint_id>/", endpoint_ops.endpoint_detail, name="endpoint"),
+    path("endpoints/<int:endpoint_id>/ops/<str:kind>/", endpoint_ops.endpoint_ops_action, name="endpoint_ops"),
+    path("sweeps/<int:sweep_id>/cancel/", endpoint_ops.sweep_cancel, name="sweep_cancel"),
     path("compare/", views.compare, name="compare"),
     path("history/", views.history, name="history"),
 ]

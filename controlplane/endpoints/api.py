@@ -7,17 +7,20 @@ Operations run in a Celery worker, never in the web process: a POST validates th
                                                    checkpoint): {"path" | "checkpoint_id", "version"?,
                                                    "pause_mode"?: keep} -> pause -> update -> resume
                                                    (always) on every replica
-    POST /api/endpoints/<id>/admin/<kind>/         health | prewarm {"count"} | reset_prefix_cache |
+    POST /api/endpoints/<id>/ops/<kind>/           health | prewarm {"count"} | reset_prefix_cache |
                                                    pause {"mode"} | resume | sleep {"level"} | wake_up
-    GET  /api/endpoints/<id>/admin/actions/<n>/    the action: state (queued, running, succeeded,
+    GET  /api/endpoints/<id>/ops/actions/<n>/      the action: state (queued, running, succeeded,
                                                    failed) and, once finished, its report
-    GET  /api/endpoints/<id>/admin/operations/     the operation log (?trace_id=prefix, ?kind=, ?limit=)
-    GET  /api/endpoints/<id>/admin/stats/          p50/p95/p99 of queue/rpc/wall per kind, alert threshold
+    GET  /api/endpoints/<id>/ops/log/              the operation log (?trace_id=prefix, ?kind=, ?limit=)
+    GET  /api/endpoints/<id>/ops/stats/            p50/p95/p99 of queue/rpc/wall per kind, alert threshold
+
+The old `/admin/...` paths (`/admin/operations/` for the log) are deprecated aliases of the same views:
+they answer `Deprecation: true` and `Link: <ops url>; rel="successor-version"` (RFC 9745 / 8594).
 """
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
 from rest_framework import serializers, status
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
@@ -65,7 +68,7 @@ class AdminActionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_url(self, action) -> str:
-        return reverse("api:endpoints:admin-action", kwargs={"id": action.endpoint_id, "action_id": action.pk},
+        return reverse("api:endpoints:ops-action", kwargs={"id": action.endpoint_id, "action_id": action.pk},
                        request=self.context.get("request"))
 
     @extend_schema_field(OBJECT)
@@ -262,3 +265,30 @@ class OperationStatsView(_Base):
                          "slow_actions": [AdminActionSerializer(a, context={"request": request}).data
                                           for a in admin_ops.slow_actions(ep, limit=10)],
                          "alerts": [admin_ops.operation_dict(o, request.user) for o in admin_ops.queue_alerts(ep)]})
+
+
+# ------------------------------------------------------------------------------------ deprecated aliases
+_SUCCESSOR = {"operations": "log"}  # old /admin/<segment>/ -> new /ops/<segment>/ where the name changed
+
+
+def successor_path(path: str) -> str:
+    """The /ops/ path that replaces a deprecated /api/endpoints/<id>/admin/... path."""
+    head, sep, tail = path.partition("/admin/")
+    segment, slash, rest = tail.partition("/")
+    return f"{head}/ops/{_SUCCESSOR.get(segment, segment)}{slash}{rest}" if sep else path
+
+
+def deprecated_alias(view_cls):
+    """The same view under its old /admin/ path: marked deprecated in the schema, and each answer
+    carries `Deprecation: true` and a `Link` to the successor /ops/ URL."""
+    methods = [m for m in ("get", "post") if hasattr(view_cls, m)]
+
+    class Alias(view_cls):
+        def finalize_response(self, request, response, *args, **kwargs):
+            response = super().finalize_response(request, response, *args, **kwargs)
+            response["Deprecation"] = "true"
+            response["Link"] = f'<{request.build_absolute_uri(successor_path(request.path))}>; rel="successor-version"'
+            return response
+
+    Alias.__name__ = Alias.__qualname__ = f"Deprecated{view_cls.__name__}"
+    return extend_schema_view(**{m: extend_schema(deprecated=True) for m in methods})(Alias)

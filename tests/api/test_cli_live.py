@@ -243,16 +243,16 @@ def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory,
     # a model server that does not answer: the web process answers 202 at once (it never calls the server)
     sim.configure(admin_faults={"health": "stall"})
     t0 = time.monotonic()
-    status, headers, body = _api(url, token, "POST", f"endpoints/{ep.pk}/admin/health/", {})
+    status, headers, body = _api(url, token, "POST", f"endpoints/{ep.pk}/ops/health/", {})
     assert status == 202 and time.monotonic() - t0 < 2.0
     assert body["state"] in ("queued", "running") and headers["Location"] == body["url"]
-    assert body["url"] == f"{url}/api/endpoints/{ep.pk}/admin/actions/{body['id']}/"
+    assert body["url"] == f"{url}/api/endpoints/{ep.pk}/ops/actions/{body['id']}/"
     # the CLI gives up waiting (exit 4) while the worker keeps on; the worker records the replica as unanswered
     r = cli(url, token, "endpoint-op", ep.pk, "health", "--wait", 1, "--poll-interval", 0.2)
     assert r.returncode == 4 and "still" in r.stderr, r.stderr
     deadline = time.monotonic() + 60
-    while _api(url, token, "GET", f"endpoints/{ep.pk}/admin/actions/{body['id']}/")[2]["state"] != "failed":
+    while _api(url, token, "GET", f"endpoints/{ep.pk}/ops/actions/{body['id']}/")[2]["state"] != "failed":
         assert time.monotonic() < deadline
         time.sleep(0.3)
-    done = _api(url, token, "GET", f"endpoints/{ep.pk}/admin/actions/{body['id']}/")[2]
+    done = _api(url, token, "GET", f"endpoints/{ep.pk}/ops/actions/{body['id']}/")[2]
     assert done["result"]["unanswered"] == [sim.url] and done["result"]["operations"][0]["status"] == "no_answer"

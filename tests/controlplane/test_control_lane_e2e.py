@@ -77,7 +77,7 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     assert 200 <= body["total_ms"] <= waited_ms + 50, (body, waited_ms)
     assert JobChunk.objects.filter(job__in=jobs, state="running").count() >= 2  # the chunks still run
     # the trainer's trace id: on every request to the server (operation log) and in the control worker's log
-    ops = api.get(f"/api/endpoints/{ep.pk}/admin/operations/?trace_id={trace}").json()["operations"]
+    ops = api.get(f"/api/endpoints/{ep.pk}/ops/log/?trace_id={trace}").json()["operations"]
     assert sorted(o["kind"] for o in ops) == ["pause", "resume", "update_weights"]
     assert AdminOperation.objects.filter(trace_id=trace).count() == 3
     assert trace in control_worker.tail(20000) and trace not in worker.tail(20000)
@@ -106,7 +106,7 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     # a burst: four updates, then a health check. The updates wait for each other without holding a control slot,
     # so the health check starts at once, before the third update
     burst = [api.post(url, {"checkpoint_id": f"burst-{i}"}, format="json").json()["id"] for i in range(4)]
-    health = api.post(f"/api/endpoints/{ep.pk}/admin/health/", {}, format="json").json()["id"]
+    health = api.post(f"/api/endpoints/{ep.pk}/ops/health/", {}, format="json").json()["id"]
     wait_for(lambda: not AdminAction.objects.filter(pk__in=[*burst, health]).exclude(
         state__in=["succeeded", "failed"]).exists(), 30, "the burst ended", control_worker.tail)
     b = list(AdminAction.objects.filter(pk__in=burst).order_by("pk"))
@@ -126,7 +126,7 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     assert r.status_code == 400, r.content
 
     # the stats: dispatch and total percentiles beside queue/rpc/wall
-    stats = {s["kind"]: s for s in api.get(f"/api/endpoints/{ep.pk}/admin/stats/").json()["stats"]}
+    stats = {s["kind"]: s for s in api.get(f"/api/endpoints/{ep.pk}/ops/stats/").json()["stats"]}
     upd = stats["update_weights"]
     assert upd["actions"] == 7 and upd["total_ms_p50"] >= 200 and stats["health"]["actions"] == 1
     # Prometheus: what the caller waited, from the control worker's process

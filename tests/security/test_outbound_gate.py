@@ -350,7 +350,7 @@ def test_non_staff_see_status_and_class_never_bodies_or_banners(mallory, staff, 
     check_health(ep_banner)
     check_health(ep_500)
     user_api, staff_api = _client(mallory), _client(staff)
-    action = user_api.post(f"/api/endpoints/{ep_500.pk}/admin/reset_prefix_cache/").json()
+    action = user_api.post(f"/api/endpoints/{ep_500.pk}/ops/reset_prefix_cache/").json()
     seen_by_user = []
     for job in jobs:
         seen_by_user.append(user_api.get(f"/api/jobs/{job.pk}/").content)
@@ -364,7 +364,7 @@ def test_non_staff_see_status_and_class_never_bodies_or_banners(mallory, staff, 
     for ep in (ep_500, ep_banner):
         seen_by_user.append(user_api.get(f"/api/endpoints/{ep.pk}/").content)
     seen_by_user.append(user_api.get(action["url"]).content)
-    seen_by_user.append(user_api.get(f"/api/endpoints/{ep_500.pk}/admin/operations/").content)
+    seen_by_user.append(user_api.get(f"/api/endpoints/{ep_500.pk}/ops/log/").content)
     text = b"\n".join(seen_by_user).decode()
     assert "SECRET" not in text and "internal-admin" not in text
     # what they do see: the status code, the error class and the product's reason

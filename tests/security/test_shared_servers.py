@@ -32,17 +32,17 @@ def shared(simulator, eager_tasks):
 def test_bob_cannot_pause_or_reweight_alices_server_through_his_own_record(shared):
     sim, alice, bob, ep_alice, ep_bob = shared
     bob_api = _api(bob)
-    r = bob_api.post(f"/api/endpoints/{ep_bob.pk}/admin/pause/", {"mode": "keep"}, format="json")
+    r = bob_api.post(f"/api/endpoints/{ep_bob.pk}/ops/pause/", {"mode": "keep"}, format="json")
     assert r.status_code == 403, r.content
     assert "shared" in r.json()["detail"] and "other users" in r.json()["detail"]
     r = bob_api.post(f"/api/endpoints/{ep_bob.pk}/weights/", {"path": "/ckpt/evil", "version": 666}, format="json")
     assert r.status_code == 403, r.content
     for kind in ("resume", "sleep", "wake_up", "reset_prefix_cache"):
-        assert bob_api.post(f"/api/endpoints/{ep_bob.pk}/admin/{kind}/", {}, format="json").status_code == 403, kind
+        assert bob_api.post(f"/api/endpoints/{ep_bob.pk}/ops/{kind}/", {}, format="json").status_code == 403, kind
     # the dashboard's buttons too: the endpoint page again, 403, with the reason
     web = Client()
     web.force_login(bob)
-    r = web.post(f"/endpoints/{ep_bob.pk}/admin/pause/", {"mode": "keep"})
+    r = web.post(f"/endpoints/{ep_bob.pk}/ops/pause/", {"mode": "keep"})
     assert r.status_code == 403 and "shared" in r.content.decode()
     # nothing was queued, and the server was never touched
     assert not AdminAction.objects.exists()
@@ -50,20 +50,20 @@ def test_bob_cannot_pause_or_reweight_alices_server_through_his_own_record(share
     assert str(sim.get_json("/weight_version").get("weight_version")) != "666"
 
     # reading stays per record: bob may check the health of his own record
-    r = bob_api.post(f"/api/endpoints/{ep_bob.pk}/admin/health/", {}, format="json")
+    r = bob_api.post(f"/api/endpoints/{ep_bob.pk}/ops/health/", {}, format="json")
     assert r.status_code == 202, r.content
     # and alice, too, cannot change a server bob's record points at (she has no right to his record)
-    assert _api(alice).post(f"/api/endpoints/{ep_alice.pk}/admin/pause/", {}, format="json").status_code == 403
+    assert _api(alice).post(f"/api/endpoints/{ep_alice.pk}/ops/pause/", {}, format="json").status_code == 403
 
 
 def test_staff_and_sole_owners_may_change_the_server(shared):
     sim, alice, bob, ep_alice, ep_bob = shared
     staff = make_user("root", is_staff=True)
-    r = _api(staff).post(f"/api/endpoints/{ep_bob.pk}/admin/pause/", {"mode": "keep"}, format="json")
+    r = _api(staff).post(f"/api/endpoints/{ep_bob.pk}/ops/pause/", {"mode": "keep"}, format="json")
     assert r.status_code == 202 and r.json()["state"] == "succeeded", r.content
     assert sim.get_json("/is_paused")["is_paused"] is True
     ep_bob.delete()  # alice is now the only one pointing at it
-    r = _api(alice).post(f"/api/endpoints/{ep_alice.pk}/admin/resume/", {}, format="json")
+    r = _api(alice).post(f"/api/endpoints/{ep_alice.pk}/ops/resume/", {}, format="json")
     assert r.status_code == 202 and r.json()["state"] == "succeeded", r.content
     assert sim.get_json("/is_paused")["is_paused"] is False
 

@@ -59,7 +59,7 @@ def _int(v):
 
 @login_required
 @require_POST
-def endpoint_admin_action(request, endpoint_id, kind):
+def endpoint_ops_action(request, endpoint_id, kind):
     """Queue the operation (a worker calls the model servers; the web process never does) and come back to
     the endpoint page, where the action's state and outcome show under "Actions"."""
     ep = get_object_or_404(visible_endpoints(request.user), pk=endpoint_id)

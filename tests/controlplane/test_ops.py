@@ -76,9 +76,9 @@ def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_fa
     assert upd.queue_ms == pytest.approx(upd.wall_ms - upd.rpc_ms, abs=0.01)
     assert upd.params["checkpoint_id"] == "step-100" and upd.source == "api"
     # searchable by trace id (a prefix is enough), with percentiles per kind
-    log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"trace_id": out["trace_id"][:10]}).json()
+    log = api.get(f"/api/endpoints/{ep.pk}/ops/log/", {"trace_id": out["trace_id"][:10]}).json()
     assert len(log["operations"]) == 6 and {o["trace_id"] for o in log["operations"]} == {out["trace_id"]}
-    stats = {s["kind"]: s for s in api.get(f"/api/endpoints/{ep.pk}/admin/stats/").json()["stats"]}
+    stats = {s["kind"]: s for s in api.get(f"/api/endpoints/{ep.pk}/ops/stats/").json()["stats"]}
     assert stats["update_weights"]["n"] == 6 and stats["update_weights"]["rpc_ms_p50"] >= 45
     assert stats["pause"]["queue_ms_p99"] is not None
 
@@ -110,11 +110,11 @@ def test_resume_is_sent_when_the_update_fails(api, user, sim_endpoint, simulator
     # the owner (not staff) reads the status code only, never the server's body; staff read the message
     stored = AdminOperation.objects.get(kind="update_weights", trace_id=out["trace_id"]).error
     assert out["operations"][1]["error"] == "HTTP 503" and stored.startswith("HTTP 503 — the server said: ") and len(stored) > 30
-    log = api.get(f"/api/endpoints/{ep.pk}/admin/operations/", {"kind": "update_weights"}).json()["operations"]
+    log = api.get(f"/api/endpoints/{ep.pk}/ops/log/", {"kind": "update_weights"}).json()["operations"]
     assert [o["error"] for o in log] == ["HTTP 503"]
     staff = APIClient()
     staff.force_authenticate(user=type(user).objects.create_user("root", password="x", is_staff=True))
-    action = staff.get(f"/api/endpoints/{ep.pk}/admin/actions/{AdminAction.objects.get().pk}/").json()
+    action = staff.get(f"/api/endpoints/{ep.pk}/ops/actions/{AdminAction.objects.get().pk}/").json()
     assert action["result"]["operations"][1]["error"] == stored
     assert sim.get_json("/is_paused")["is_paused"] is False
     assert not WeightVersion.objects.exists() and out["version"] == ""
@@ -140,7 +140,7 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
         statuses = {(o["replica"], o["kind"]): o["status"] for o in out["operations"]}
         assert statuses[(stuck.url, "pause")] == "no_answer" and statuses[(stuck.url, "resume")] == "ok"
         assert statuses[(dead, "pause")] == "failed" and statuses[(good.url, "update_weights")] == "ok"
-        h = act(api, f"/api/endpoints/{ep.pk}/admin/health/")
+        h = act(api, f"/api/endpoints/{ep.pk}/ops/health/")
         assert h["ok"] is False and h["unanswered"] == [stuck.url]
     finally:
         admin_client.DEFAULT_TIMEOUTS_S.clear()
@@ -221,23 +221,23 @@ def test_queued_actions_lost_with_the_brokers_data_are_sent_again_or_expired(use
 def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simulator_factory, capsys, eager_tasks):
     a, b = simulator_factory(), simulator_factory()
     ep = sim_endpoint(a.url, owner=user, replica_urls=[b.url], name="two-sims")
-    r = act(api, f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "abort"}, state="succeeded")
+    r = act(api, f"/api/endpoints/{ep.pk}/ops/pause/", {"mode": "abort"}, state="succeeded")
     assert r["ok"] and r["params"] == {"mode": "abort"}
     assert a.get_json("/is_paused") == {"is_paused": True, "mode": "abort"}
-    assert act(api, f"/api/endpoints/{ep.pk}/admin/resume/")["ok"]
+    assert act(api, f"/api/endpoints/{ep.pk}/ops/resume/")["ok"]
     assert b.get_json("/is_paused")["is_paused"] is False
-    r = act(api, f"/api/endpoints/{ep.pk}/admin/prewarm/", {"count": 7})
+    r = act(api, f"/api/endpoints/{ep.pk}/ops/prewarm/", {"count": 7})
     assert r["sent"] == 7 and r["succeeded"] == 7
     # the older prewarm action (run in a worker) honours its count too
     assert api.post(f"/api/endpoints/{ep.pk}/prewarm/", {"count": 3}, format="json").status_code == 202
     ep.refresh_from_db()
     assert ep.last_prewarm["sent"] == 3
-    assert act(api, f"/api/endpoints/{ep.pk}/admin/sleep/", {"level": 2})["ok"]
+    assert act(api, f"/api/endpoints/{ep.pk}/ops/sleep/", {"level": 2})["ok"]
     assert a.get_json("/is_sleeping")["is_sleeping"] is True
-    assert act(api, f"/api/endpoints/{ep.pk}/admin/wake_up/")["ok"]
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/teleport/", {}, format="json").status_code == 404
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/pause/", {"mode": "x"}, format="json").status_code == 400
-    assert api.post(f"/api/endpoints/{ep.pk}/admin/pause/", "keep", format="json").status_code == 400
+    assert act(api, f"/api/endpoints/{ep.pk}/ops/wake_up/")["ok"]
+    assert api.post(f"/api/endpoints/{ep.pk}/ops/teleport/", {}, format="json").status_code == 404
+    assert api.post(f"/api/endpoints/{ep.pk}/ops/pause/", {"mode": "x"}, format="json").status_code == 400
+    assert api.post(f"/api/endpoints/{ep.pk}/ops/pause/", "keep", format="json").status_code == 400
     # one action per request, each with its requests to both replicas under its trace id
     assert AdminAction.objects.filter(endpoint=ep).count() == 5
     for action in AdminAction.objects.filter(endpoint=ep):
@@ -260,14 +260,14 @@ def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, us
                                                                      eager_tasks):
     ep = sim_endpoint(simulator.url, owner=user)
     client.force_login(user)
-    r = client.post(f"/endpoints/{ep.pk}/admin/update_weights/", {"checkpoint_id": "ck-1", "version": "4"})
+    r = client.post(f"/endpoints/{ep.pk}/ops/update_weights/", {"checkpoint_id": "ck-1", "version": "4"})
     assert r.status_code == 302 and "?trace=" in r["Location"]
     trace = r["Location"].split("?trace=")[1]
     page = client.get(r["Location"]).content.decode()
     assert "weights updated to version 4" in page and page.count(f'title="{trace}"') == 3
     assert page.count('data-state="succeeded"') == 1  # the action list
     assert 'id="current-version">4<' in page
-    client.post(f"/endpoints/{ep.pk}/admin/reset_prefix_cache/")
+    client.post(f"/endpoints/{ep.pk}/ops/reset_prefix_cache/")
     page = client.get(f"/endpoints/{ep.pk}/").content.decode()
     assert 'data-kind="update_weights"' in page and 'data-kind="reset_prefix_cache"' in page
     assert 'id="queue-alert"' not in page  # nothing queued past 1,000 ms on an idle loopback server
@@ -281,7 +281,7 @@ def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, us
     # search by trace id narrows the log to that operation
     page = client.get(f"/endpoints/{ep.pk}/", {"trace": "slowtrace"}).content.decode()
     assert page.count('title="slowtrace0001"') == 1 and f'title="{trace}"' not in page
-    r = client.post(f"/endpoints/{ep.pk}/admin/pause/", {"mode": "sideways"}, follow=True)
+    r = client.post(f"/endpoints/{ep.pk}/ops/pause/", {"mode": "sideways"}, follow=True)
     assert "pause mode must be one of" in r.content.decode()
 
 
@@ -354,3 +354,31 @@ def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(
     assert backfill(ep.pk) == 3
     got = dict(Rollout.objects.filter(job=job).values_list("task_index", "weight_version"))
     assert got == {0: "0", 1: "0", 2: "1", 3: "7"}  # a version the server reported is kept
+
+
+def test_old_admin_routes_are_deprecated_aliases_of_the_ops_routes(api, user, sim_endpoint, simulator):
+    """/api/endpoints/<id>/admin/... still works (same views) but says it is deprecated and where to go;
+    /ops/... is the canonical route and carries no such header; the schema marks the old paths deprecated."""
+    ep = sim_endpoint(simulator.url, owner=user)
+    old = api.post(f"/api/endpoints/{ep.pk}/admin/health/", {}, format="json")
+    assert old.status_code == 202 and old["Deprecation"] == "true"
+    assert old["Link"] == f'<http://testserver/api/endpoints/{ep.pk}/ops/health/>; rel="successor-version"'
+    action_url = old.json()["url"]
+    assert f"/api/endpoints/{ep.pk}/ops/actions/" in action_url  # new actions point at the canonical route
+    new = api.get(action_url)
+    assert new.status_code == 200 and "Deprecation" not in new and new.json()["state"] in ("succeeded", "failed")
+    aid = new.json()["id"]
+    for old_path, new_path in ((f"admin/actions/{aid}/", f"ops/actions/{aid}/"), ("admin/operations/", "ops/log/"),
+                               ("admin/stats/", "ops/stats/")):
+        o, n = api.get(f"/api/endpoints/{ep.pk}/{old_path}"), api.get(f"/api/endpoints/{ep.pk}/{new_path}")
+        assert o.status_code == n.status_code == 200 and o.json() == n.json(), old_path
+        assert o["Deprecation"] == "true" and "Deprecation" not in n
+        assert o["Link"] == f'<http://testserver/api/endpoints/{ep.pk}/{new_path}>; rel="successor-version"'
+    # an error answer from the old route is deprecated too (the header does not depend on success)
+    missing = api.get(f"/api/endpoints/{ep.pk}/admin/actions/999999/")
+    assert missing.status_code == 404 and missing["Deprecation"] == "true"
+    schema = api.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()["paths"]
+    assert schema["/api/endpoints/{id}/admin/stats/"]["get"].get("deprecated") is True
+    assert schema["/api/endpoints/{id}/admin/{kind}/"]["post"].get("deprecated") is True
+    assert "deprecated" not in schema["/api/endpoints/{id}/ops/stats/"]["get"]
+    assert "deprecated" not in schema["/api/endpoints/{id}/ops/{kind}/"]["post"]
