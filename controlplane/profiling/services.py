@@ -456,10 +456,14 @@ def growth_flags(job, rows, total, min_size_ratio=2.0, min_tavg_ratio=1.5, share
                           "label": _label(r), "value": r.tavg / o.tavg, "advice": ADVICE["growth"],
                           "figure": f"tavg {1000 * o.tavg:.3f} ms at {osize} rollouts (job {other.pk}) -> "
                                     f"{1000 * r.tavg:.3f} ms at {size} rollouts (x{r.tavg / o.tavg:.1f} for "
-                                    f"x{size / osize:.1f} data)", "other_job": other.pk})
+                                    f"x{size / osize:.1f} data)", "other_job": other.pk,
+                          "_key": tuple(r.key), "_children": r.children})
         if flags:
             break
-    return flags
+    # A caller grows because its callee does (inclusive time): name only the innermost growing function, the
+    # one to index, not every frame above it (a list comprehension, the loop that calls it).
+    grown = {f.pop("_key") for f in flags}
+    return [f for f in flags if not any(tuple(c[:3]) in grown for c in f.pop("_children"))]
 
 
 # ------------------------------------------------------------------------------------ diagnosis
