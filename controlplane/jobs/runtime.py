@@ -182,7 +182,7 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_s
             sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
                           on_progress=on_progress, on_stored=on_stored)
             spec = build_spec(job, worker_name)
-            spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism)
+            spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism, starting=True)
             spec.tracing = trace_config(job, chunk)
             # the job's control, plus the run's total deadline and the owner's fair share (capacity.py)
             control = capacity.guard(DbControl(job=job, db=db, sink=sink, chunk=chunk,

@@ -512,23 +512,32 @@ class DbSink:
 
 
 # --- control -------------------------------------------------------------------------------------
-def chunk_parallelism_share(job_id, chunk_id, total) -> int:
+def chunk_parallelism_share(job_id, chunk_id, total, *, starting=False) -> int:
     """The job's parallelism is its TOTAL in-flight budget, whatever the number of chunks running
     at once (on one worker or many): each running chunk gets an even share, the remainder going to
     the lowest chunk indexes, at least 1 each. Recomputed on every control poll, so shares grow
-    back as chunks finish."""
+    back as chunks finish. A STARTING chunk also counts the job's chunks not yet running: chunks
+    started together cannot see each other yet, and each taking the whole budget overshot it until
+    their next polls; its first polls grow the share (DbControl.SHARE_GROW_AFTER_S)."""
     running = list(JobChunk.objects.filter(job_id=job_id, state=JobChunk.State.RUNNING)
                    .order_by("index").values_list("pk", flat=True))
     if chunk_id not in running:
         running.append(chunk_id)
     n, pos = len(running), running.index(chunk_id)
+    if starting:
+        n = max(n, JobChunk.objects.filter(job_id=job_id).exclude(state=JobChunk.State.DONE).count())
     return max(1, total // n + (1 if pos < total % n else 0))
 
 
 class DbControl:
     """Polled by the engine (in its control thread): reads the job row on the DB thread."""
 
+    # A chunk keeps its starting share this long before growing to its fair one, so that the chunks already
+    # running (polling every CONTROL_POLL_S) have shrunk theirs first: the job's budget is not overshot.
+    SHARE_GROW_AFTER_S = 1.0
+
     def __init__(self, *, job, db: DbThread, sink: DbSink | None = None, chunk=None, initial_parallelism=None):
+        self.started = time.monotonic()
         self.job_id = job.pk
         self.chunk_id = getattr(chunk, "pk", None)
         self.db = db
@@ -542,7 +551,10 @@ class DbControl:
         if row is None or self.chunk_id is None:
             return row
         state, override, requested = row
-        return state, chunk_parallelism_share(self.job_id, self.chunk_id, override or requested), None
+        share = chunk_parallelism_share(self.job_id, self.chunk_id, override or requested)
+        if time.monotonic() - self.started < self.SHARE_GROW_AFTER_S:
+            share = min(share, self.parallelism)
+        return state, share, None
 
     def poll(self) -> ControlState:
         if self.sink is not None and self.sink.lease_lost:

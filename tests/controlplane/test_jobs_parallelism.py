@@ -17,6 +17,8 @@ def test_running_chunks_share_the_job_budget(user, math_dataset, sim_endpoint):
     assert len(chunks) == 4
     # Alone, a chunk gets the whole budget.
     assert chunk_parallelism_share(job.pk, chunks[0].pk, 10) == 10
+    # Starting, it counts the chunks not yet running too: chunks started together cannot see each other yet.
+    assert chunk_parallelism_share(job.pk, chunks[0].pk, 10, starting=True) == 3
     # Three running: 4 + 3 + 3, never more than the budget in total.
     JobChunk.objects.filter(pk__in=[c.pk for c in chunks[:3]]).update(state=JobChunk.State.RUNNING)
     shares = [chunk_parallelism_share(job.pk, c.pk, 10) for c in chunks[:3]]
