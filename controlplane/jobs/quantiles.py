@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from django.db import connection
 
-from workers.engine.aggregate import _USAGE_KEYS, quantile_from_ranks, quantile_ranks
+from workers.engine.aggregate import USAGE_KEYS, AggregateAccumulator, quantile, quantile_from_ranks, quantile_ranks
 from workers.engine.types import TIMING_FIELDS
 
 from .models import Rollout
 
-_USAGE_PATHS = dict(_USAGE_KEYS)
-_PG_MAX = "179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497791"  # noqa: E501  2**1024 - 2**970: from here json.loads gives inf
+_USAGE_PATHS = dict(USAGE_KEYS)
+_PG_MAX = str(2**1024 - 2**970)  # from here json.loads gives inf: such values are left out, as the engine does
 
 
 def _at_ranks(sql: str, params: list, lo: int, hi: int) -> tuple[float, float]:
@@ -80,8 +80,6 @@ def field_median(job_id: int, key: str, n: int) -> float:
     falls back to reading that one field's values into memory (8 bytes a value, that field only)."""
     got = _field_sql(key)
     if got is None:
-        from workers.engine.aggregate import AggregateAccumulator, quantile
-
         values = []
         rows = Rollout.objects.filter(job_id=job_id, status=Rollout.Status.OK).values_list("data", flat=True)
         for data in rows.iterator(chunk_size=2000):

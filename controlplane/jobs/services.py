@@ -26,7 +26,7 @@ from controlplane.datasets.models import Dataset
 from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
 
-from . import openended
+from . import openended, quantiles
 from .events import publish_job_state
 from .models import CollectionJob, InvalidTransition, JobChunk, JobState, Rollout, VerificationRun
 from .verifier_checks import check_dataset_fields, check_verifier
@@ -402,8 +402,6 @@ def compute_summaries(job, batch_size=2000):
     counts, min and max here, medians and percentiles from the database (quantiles), so the worker holds no
     per-rollout value however big the job. Aggregates are over the successful output rows (NeMo Gym's
     output file); timings over every row."""
-    from . import quantiles
-
     agg = AggregateAccumulator(ordered_by_task=True, keep_values=False)
     timing = TimingAccumulator(keep_values=False)
     # (task, repeat) order walks the unique index and lets the accumulator fold each finished task

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterable
 from .types import TIMING_FIELDS
 
 _SKIP = {"_ng_task_index", "_ng_rollout_index"}
-_USAGE_KEYS = (
+# a row's token counts read from response.usage where the row has no top-level key of that name
+USAGE_KEYS = (
     ("input_tokens", ("input_tokens",)),
     ("output_tokens", ("output_tokens",)),
     ("total_tokens", ("total_tokens",)),
@@ -203,7 +204,7 @@ class AggregateAccumulator:
         response = row.get("response")
         usage = response.get("usage") if isinstance(response, dict) else None
         if isinstance(usage, dict):
-            for name, path in _USAGE_KEYS:
+            for name, path in USAGE_KEYS:
                 v: Any = usage
                 for p in path:
                     v = v.get(p) if isinstance(v, dict) else None
