@@ -85,6 +85,16 @@ def _set_up_or_skip() -> None:
         raise RuntimeError(f"scripts/nemo_gym.sh setup failed:\n{setup.stderr[-4000:]}")
 
 
+def _serving(sim, ng):
+    """NeMo Gym's servers started for a fixture's tests, then stopped with the simulator behind them."""
+    try:
+        ng.start()
+        yield ng
+    finally:
+        ng.stop()
+        sim.stop()
+
+
 @pytest.fixture(scope="session")
 def nemo_gym():
     _set_up_or_skip()
@@ -92,12 +102,7 @@ def nemo_gym():
     # collections of the same file agree row by row
     sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0, math_accuracy=1.0)
     ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-run-"))
-    try:
-        ng.start()
-        yield ng
-    finally:
-        ng.stop()
-        sim.stop()
+    yield from _serving(sim, ng)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +113,4 @@ def nemo_gym_tools():
     # the first start builds the tool agent's server venvs too (uv; a few minutes on a busy machine)
     ng.extra_env = {"NEMO_GYM_EXTRA_CONFIGS": f"{SECOND_AGENT_CONFIG},{TOOL_AGENT_CONFIG}",
                     "NEMO_GYM_START_TIMEOUT": "1200"}
-    try:
-        ng.start()
-        yield ng
-    finally:
-        ng.stop()
-        sim.stop()
+    yield from _serving(sim, ng)

@@ -7,13 +7,10 @@ quadratic plan shows as ~16x the steps for 4x the rows, whatever the machine's l
 are checked against the in-memory numbering NeMo Gym's rules give (workers.task_index.TaskIndexer)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import pytest
 
-from tests.fixtures_simulator import REPO_ROOT
+from tests.sqlite_child import run_on_sqlite
+
 
 CHILD = r"""
 import io, json, os, random, sys, time
@@ -69,13 +66,7 @@ print("RESULT " + json.dumps(result))
 
 @pytest.mark.slow
 def test_sqlite_ingest_numbering_is_linear_and_matches_nemo_gym(tmp_path):
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/laptop.sqlite3",
-           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)}
-    p = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    out = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out, p.stderr[-3000:]
-    res = {int(k): v for k, v in json.loads(out[0][7:]).items()}
+    res = {int(k): v for k, v in run_on_sqlite(CHILD, tmp_path).items()}
     for n, r in res.items():
         assert r["rows"] == n and r["same"], (n, r)  # NeMo Gym's numbers, identical lines and own indices shared
         assert r["shared"] > n // 10  # the file does repeat lines, so the numbering had work to do

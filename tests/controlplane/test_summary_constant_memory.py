@@ -4,15 +4,12 @@ engine's in-memory accumulators give over the same rows (the CLI drop-in's, and 
 PostgreSQL (the suite's database) and on SQLite (the laptop default, in a subprocess on a fresh file)."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.fixtures_simulator import REPO_ROOT
+from tests.sqlite_child import run_on_sqlite
+
 
 
 def build_job(n=360, seed=7):
@@ -115,11 +112,5 @@ print("RESULT " + json.dumps({"diffs": repr(diffs), "n": n, "ok": not diffs}))
 
 @pytest.mark.slow
 def test_summary_equals_in_memory_figures_on_sqlite(tmp_path):
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path}/laptop.sqlite3",
-           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PYTHONPATH": str(REPO_ROOT)}
-    p = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    out = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out, p.stderr[-3000:]
-    res = json.loads(out[0][7:])
+    res = run_on_sqlite(CHILD, tmp_path)
     assert res["n"] > 60 and res["ok"], res
