@@ -12,7 +12,7 @@ every collection slot holds a chunk and many more wait; then a trainer POSTs `/a
 every --every seconds for --seconds, and each action is followed to its end (at most --drain seconds after the
 last POST; an action unfinished by then counts as "> drain"). Table: POST -> started (the action's started_at
 minus the POST's send time) and POST -> succeeded, p50/p95/max, beside the stored dispatch_ms (asked -> started,
-as the action records it) and the stored queue_ms of its requests (what the admin client saw); and whether the
+as the action records it) and the stored queue_ms of its requests (what the ops client saw); and whether the
 versions came out strictly in order. One authenticated GET warms the web process up first.
 """
 from __future__ import annotations

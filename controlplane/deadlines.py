@@ -1,6 +1,6 @@
 """Total deadlines for Celery tasks. Workers run `-P threads`, where Celery's soft_time_limit / time_limit are
 not enforced: a task that a slow or trickling server keeps busy would hold its worker slot for ever. So each task
-bounds itself: the engine runs (chunks, verification runs, sweeps, admin operations) are cancelled on their
+bounds itself: the engine runs (chunks, verification runs, sweeps, model-server operations) are cancelled on their
 event loop at their deadline; blocking work (health checks, pre-warm) runs in a helper thread that the task
 stops waiting for at its deadline (Python cannot stop a thread: it is abandoned, and ends at its own network
 timeouts), so the worker slot is free again either way."""

@@ -19,5 +19,5 @@ def error_for(user, text):
 
 
 def shown_for(user, value):
-    """A report (health, pre-warm, admin result, aggregates: any JSON-like value) as `user` may read it."""
+    """A report (health, pre-warm, ops result, aggregates: any JSON-like value) as `user` may read it."""
     return value if sees_everything(user) else public_tree(value)

@@ -1,6 +1,6 @@
 """Two lanes of Celery work: collection chunks on the work queues, everything else on the control queue.
 
-A control task (an admin action or weight update, a health check or pre-warm, the watchdog and every beat
+A control task (an ops action or weight update, a health check or pre-warm, the watchdog and every beat
 task, a job's finalization) must never wait behind collection: a chunk runs for minutes and holds its worker
 slot all that time. So the control tasks go to CELERY_CONTROL_QUEUE, served by a worker of its own (`make demo`,
 docker/compose.yml: `celery worker -Q control -P threads -c 2`), whose slots never hold a chunk. Chunks, batch

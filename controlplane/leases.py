@@ -1,12 +1,12 @@
 """One lease protocol for work that a worker takes from a database row: collection chunks (jobs.JobChunk),
-verification runs (jobs.VerificationRun) and admin actions (endpoints.AdminAction).
+verification runs (jobs.VerificationRun) and ops actions (endpoints.AdminAction).
 
 A `Lease` names the row's model, its waiting and running states and, for work that runs long, the columns
 of its holder (`lease_owner`), its heartbeat (`heartbeat_at`) and its attempt count (`attempts`):
 
 * claim: one conditional UPDATE takes the row, waiting -> running. PostgreSQL re-checks the WHERE under the
   row lock, so exactly one taker wins. A row with a heartbeat may also be taken from a holder whose
-  heartbeat is older than JOBS_LEASE_TIMEOUT_S (a dead worker). A row without one (an admin action) is
+  heartbeat is older than JOBS_LEASE_TIMEOUT_S (a dead worker). A row without one (an ops action) is
   claimed once: a redelivered message finds it running and does not run it again.
 * held / beat: every write of the holder is guarded by its name (`held(pk, owner).update(...)`: zero rows
   means another worker took the row over); `beat` refreshes the heartbeat while the row is running.

@@ -421,7 +421,7 @@ SPECTACULAR_SETTINGS = {
                              "controlplane.api.schema_hooks.partial_responses"],
     "ENUM_NAME_OVERRIDES": {"DatasetStatusEnum": "controlplane.datasets.models.Dataset.Status",
                             "RolloutStatusEnum": "controlplane.jobs.models.Rollout.Status",
-                            "PauseModeEnum": "workers.admin.ops.PAUSE_MODES",
+                            "PauseModeEnum": "workers.ops.replicas.PAUSE_MODES",
                             "AdminOperationKindEnum": "controlplane.endpoints.models.AdminOperation.Kind",
                             "AdminActionStateEnum": "controlplane.endpoints.models.AdminAction.State",
                             "StateEnum": "controlplane.jobs.models.JobState"},

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, admin, auth, observe
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, auth, observe, ops
 from . import openended
 from .client import ApiError, Client
 
@@ -590,11 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=jsonl_path,
                    help="write <out>.jsonl, <out>_failures.jsonl, <out>_aggregate_metrics.json (.jsonl is added "
                         "when the name has no extension)")
-    admin.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, admin-stats, weight-versions
+    ops.add_parsers(sub, _add_connection)  # endpoint-op, update-weights, ops-stats, weight-versions
     auth.add_parsers(sub, _add_connection)  # login, logout
     observe.add_parsers(sub, _add_connection)  # diagnose, sweep
     openended.add_parsers(sub, _add_connection)  # stop
-    return parser
+    return ops.hide_deprecated(sub, parser)  # --help lists the subcommands without the deprecated names
 
 
 def _check_gates(parser, args):
@@ -649,7 +649,7 @@ def main(argv=None) -> int:
     if not args.token and args.command != "login":
         log("rolloutctl: warning: no token (--token or ROLLOUTCTL_TOKEN); the API will answer 401")
     try:
-        for commands in (admin, auth, observe, openended):  # each module's own subcommands
+        for commands in (ops, auth, observe, openended):  # each module's own subcommands
             if args.command in commands.COMMANDS:
                 return commands.run(client, args)
         if args.command == "submit":

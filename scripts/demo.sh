@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: sets everything up on the embedded defaults (SQLite file, local Redis, the built-in
 # simulator as the model server), starts the web server, a Celery worker for the chunks, a control worker
-# (admin actions, weight updates, watchdog: controlplane/lanes.py) and beat, loads the demo
+# (ops actions, weight updates, watchdog: controlplane/lanes.py) and beat, loads the demo
 # math dataset, launches a demo job and follows it. Services keep running; `make stop` stops them.
 # Ports: WEB_PORT (default 8000, the dashboard) and SIM_PORT (default 8100, the simulator).
 set -euo pipefail

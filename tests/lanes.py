@@ -1,4 +1,4 @@
-"""The control lane in test workers (controlplane/lanes.py): control tasks (admin actions, finalization...) go to
+"""The control lane in test workers (controlplane/lanes.py): control tasks (ops actions, finalization...) go to
 CELERY_CONTROL_QUEUE, so a test worker that must run them consumes that queue too."""
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def public(text: str | None) -> str:
 
 
 def public_tree(value):
-    """`public()` applied to every string in a JSON-like value (health reports, admin results, ticks)."""
+    """`public()` applied to every string in a JSON-like value (health reports, ops results, ticks)."""
     if isinstance(value, str):
         return public(value)
     if isinstance(value, dict):

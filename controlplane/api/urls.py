@@ -31,7 +31,7 @@ urlpatterns = [
     re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/stream/ack/$", stream.JobStreamAckView.as_view(), name="job-stream-ack"),
     re_path(rf"^jobs/(?P<job_id>{ID_REGEX})/stream/consumers/$", stream.JobStreamConsumersView.as_view(),
             name="job-stream-consumers"),
-    path("", include("controlplane.endpoints.urls")),  # admin operations (before the router)
+    path("", include("controlplane.endpoints.urls")),  # model-server operations (before the router)
     path("", include(router.urls)),
     # other apps' API routes mount here, before the catch-all
     path("", include("controlplane.diagnostics.urls")),

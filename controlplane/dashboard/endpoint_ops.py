@@ -1,7 +1,7 @@
-"""The endpoint page: admin operations (buttons), their timings per kind (p50/p95/p99 of queue, rpc,
+"""The endpoint page: model-server operations (buttons), their timings per kind (p50/p95/p99 of queue, rpc,
 wall), an alert when an operation queued longer than ADMIN_QUEUE_ALERT_MS on the client side, the
 weight-version history and the operation log, searchable by trace id. Thin: logic in
-controlplane.endpoints.admin_ops."""
+controlplane.endpoints.ops."""
 from __future__ import annotations
 
 from django.contrib import messages
@@ -12,7 +12,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.access import visible_endpoints, visible_sweeps
 from controlplane.diagnostics import services as diagnostics
-from controlplane.endpoints import admin_ops
+from controlplane.endpoints import ops
 from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
 from controlplane.jobs.replica_load import replica_load
 
@@ -27,16 +27,16 @@ def endpoint_detail(request, endpoint_id):
 def _detail(request, ep, status=200):
     trace = request.GET.get("trace", "").strip()[:64]
     kind = request.GET.get("kind", "")
-    kind = kind if kind in admin_ops.KINDS else ""
+    kind = kind if kind in ops.KINDS else ""
     return render(request, "dashboard/endpoint_detail.html", {
         "ep": ep, "trace": trace, "kind": kind, "kinds": AdminOperation.Kind.choices,
-        "log": _shown(request.user, admin_ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
-        "stats": admin_ops.timing_stats(ep), "alerts": list(admin_ops.queue_alerts(ep, limit=10)),
-        "threshold": admin_ops.queue_alert_ms(), "slow_actions": list(admin_ops.slow_actions(ep, limit=10)),
+        "log": _shown(request.user, ops.operations(ep, trace_id=trace, kind=kind, limit=200)),
+        "stats": ops.timing_stats(ep), "alerts": list(ops.queue_alerts(ep, limit=10)),
+        "threshold": ops.queue_alert_ms(), "slow_actions": list(ops.slow_actions(ep, limit=10)),
         "versions": list(WeightVersion.objects.filter(endpoint=ep)[:20]),
-        "current_version": admin_ops.current_version(ep),
-        "actions": [(a, admin_ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
-        "load": admin_ops.result_for(request.user, replica_load(ep)),
+        "current_version": ops.current_version(ep),
+        "actions": [(a, ops.action_summary(a, request.user)) for a in AdminAction.objects.filter(endpoint=ep)[:10]],
+        "load": ops.result_for(request.user, replica_load(ep)),
         "sweeps": list(visible_sweeps(request.user).filter(endpoint=ep).defer("verifier_options",
                                                                               "responses_create_params")[:10]),
     }, status=status)
@@ -46,7 +46,7 @@ def _shown(user, operations) -> list:
     """The log rows with each error as this user may read it (status codes only unless staff)."""
     rows = list(operations)
     for o in rows:
-        o.error = admin_ops.error_for(user, o.error)
+        o.error = ops.error_for(user, o.error)
     return rows
 
 
@@ -54,7 +54,7 @@ def _int(v):
     try:
         return int(v) if v not in (None, "") else None
     except (TypeError, ValueError):
-        raise admin_ops.AdminOpError(f"not an integer: {v!r}") from None
+        raise ops.OpsError(f"not an integer: {v!r}") from None
 
 
 @login_required
@@ -70,19 +70,19 @@ def endpoint_ops_action(request, endpoint_id, kind):
                    "version": _int(p.get("version"))}
         else:
             raw = {"mode": p.get("mode") or None, "level": _int(p.get("level")), "count": _int(p.get("count"))}
-        action = admin_ops.submit(ep, kind, user=request.user, source="dashboard", **raw)
-    except admin_ops.AdminOpError as e:
+        action = ops.submit(ep, kind, user=request.user, source="dashboard", **raw)
+    except ops.OpsError as e:
         messages.error(request, str(e))
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
-    except admin_ops.SharedServerDenied as e:  # the page again, with the reason, as a 403
+    except ops.SharedServerDenied as e:  # the page again, with the reason, as a 403
         messages.error(request, f"{kind} refused: {e}")
         return _detail(request, ep, status=403)
-    except admin_ops.QueueUnavailable as e:
+    except ops.QueueUnavailable as e:
         messages.error(request, str(e))
         return redirect("dashboard:endpoint", endpoint_id=ep.pk)
     if action.state in AdminAction.FINISHED:  # eager tasks: already done
         ok = action.state == AdminAction.State.SUCCEEDED
-        (messages.success if ok else messages.error)(request, f"{admin_ops.action_summary(action, request.user)} "
+        (messages.success if ok else messages.error)(request, f"{ops.action_summary(action, request.user)} "
                                                               f"(trace {action.trace_id})")
     else:
         messages.info(request, f"{kind} queued (trace {action.trace_id}); its outcome shows under Actions")

@@ -99,7 +99,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 @admin.register(AdminOperation)
 class AdminOperationAdmin(admin.ModelAdmin):
-    """The admin operation log (read-only): search by trace id, filter by kind and status."""
+    """The ops log (read-only): search by trace id, filter by kind and status."""
     list_display = ("created_at", "trace_id", "endpoint", "kind", "replica", "status", "queue_ms", "rpc_ms", "wall_ms",
                     "attempts")
     list_filter = ("kind", "status", "source")

@@ -1,4 +1,4 @@
-"""REST API for admin operations on model servers and weight versions (thin: logic in admin_ops/versions).
+"""REST API for model-server operations ("ops") and weight versions (thin: logic in ops/versions).
 
 Operations run in a Celery worker, never in the web process: a POST validates the request, stores an
 `AdminAction` and answers 202 with its URL (also in `Location`); the report lands on the action.
@@ -32,9 +32,9 @@ from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_p
 from controlplane.rest.parsers import JSONParser
 from controlplane.rest.fields import NO_NUL, StrictJSONTypes
 
-from workers.admin.ops import PAUSE_MODES, SERVER_KINDS
+from workers.ops.replicas import PAUSE_MODES, SERVER_KINDS
 
-from . import admin_ops
+from . import ops
 from .models import AdminAction, AdminOperation
 
 OBJECT = {"type": "object", "additionalProperties": {}}
@@ -81,15 +81,15 @@ class AdminActionSerializer(serializers.ModelSerializer):
 
     @extend_schema_field({**OBJECT, "nullable": True})
     def get_result(self, action):
-        return admin_ops.result_for(self._user(), action.result)
+        return ops.result_for(self._user(), action.result)
 
     def to_representation(self, action):
         data = super().to_representation(action)
-        data["error"] = admin_ops.error_for(self._user(), data.get("error") or "")
+        data["error"] = ops.error_for(self._user(), data.get("error") or "")
         return data
 
     def get_summary(self, action) -> str:
-        return admin_ops.action_summary(action, self._user())
+        return ops.action_summary(action, self._user())
 
 
 def _accepted(request, action) -> Response:
@@ -98,7 +98,7 @@ def _accepted(request, action) -> Response:
 
 
 class WaitQuerySerializer(serializers.Serializer):
-    wait = serializers.FloatField(min_value=0, max_value=admin_ops.MAX_WAIT_S, required=False,
+    wait = serializers.FloatField(min_value=0, max_value=ops.MAX_WAIT_S, required=False,
                                   help_text="answer when the action ends (200), or after this many seconds (202)")
 
 
@@ -106,29 +106,29 @@ def _submit(request, ep, kind, trace_id=None, **params):
     q = query_params(WaitQuerySerializer, request)
     header = request.headers.get("X-Trace-Id")  # the trainer's own trace id, sent on to the servers
     if header is not None:
-        if not admin_ops.TRACE_ID.fullmatch(header):  # a header sent blank or malformed is an error, not "none"
+        if not ops.TRACE_ID.fullmatch(header):  # a header sent blank or malformed is an error, not "none"
             raise ValidationError({"X-Trace-Id": ["must be 8 to 64 hex digits or dashes (a uuid, a W3C trace id)"]})
         trace_id = header
     try:
-        action = admin_ops.submit(ep, kind, user=request.user, source="api", trace_id=trace_id, **params)
-    except admin_ops.StaleVersion as e:
+        action = ops.submit(ep, kind, user=request.user, source="api", trace_id=trace_id, **params)
+    except ops.StaleVersion as e:
         return Response({"detail": str(e), "code": "stale_version"}, status=status.HTTP_409_CONFLICT)
-    except admin_ops.AdminOpError as e:
+    except ops.OpsError as e:
         raise ValidationError({"detail": str(e)}) from None
-    except admin_ops.SharedServerDenied as e:
+    except ops.SharedServerDenied as e:
         raise PermissionDenied(str(e)) from None
-    except admin_ops.QueueUnavailable as e:
+    except ops.QueueUnavailable as e:
         return Response({"detail": str(e), "code": "unavailable"}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
     if q.get("wait"):
-        action = admin_ops.wait_finished(action, q["wait"])
+        action = ops.wait_finished(action, q["wait"])
         if action.state in AdminAction.FINISHED:
             body = AdminActionSerializer(action, context={"request": request}).data
             return Response(body, status=status.HTTP_200_OK, headers={"Location": body["url"]})
     return _accepted(request, action)
 
 
-# What admin_ops.check_trace_id accepts, stated in the schema so that a client (and the schema fuzzer) knows.
-TRACE_ID_PATTERN = r"^" + admin_ops.TRACE_ID.pattern + r"$"
+# What ops.check_trace_id accepts, stated in the schema so that a client (and the schema fuzzer) knows.
+TRACE_ID_PATTERN = r"^" + ops.TRACE_ID.pattern + r"$"
 
 
 # 403: the operation changes a server another user's endpoint record points at (sharing.py); 409 (code
@@ -180,20 +180,20 @@ class WeightUpdateView(_Base):
 class OperationRequestSerializer(StrictJSONTypes, serializers.Serializer):
     mode = serializers.ChoiceField(choices=PAUSE_MODES, required=False, help_text="pause only (default keep)")
     level = serializers.IntegerField(min_value=1, max_value=2, required=False, help_text="sleep only (default 1)")
-    count = serializers.IntegerField(min_value=0, max_value=admin_ops.MAX_PREWARM, required=False,
+    count = serializers.IntegerField(min_value=0, max_value=ops.MAX_PREWARM, required=False,
                                      help_text="prewarm only: how many tiny requests (default 4 per replica)")
 
 
 class OperationView(_Base):
-    @extend_schema(summary="Run an admin operation on every replica, in a worker (health, prewarm, "
+    @extend_schema(summary="Run an operation on every replica, in a worker (health, prewarm, "
                            "reset_prefix_cache, pause, resume, sleep, wake_up); poll the action's URL for the report",
-                   parameters=[OpenApiParameter("kind", str, OpenApiParameter.PATH, enum=list(admin_ops.SIMPLE_KINDS)),
+                   parameters=[OpenApiParameter("kind", str, OpenApiParameter.PATH, enum=list(ops.SIMPLE_KINDS)),
                                *TRACE_PARAMETERS],
                    request=OperationRequestSerializer, responses=ACTION_RESPONSES)
     def post(self, request, id: str, kind: str):
         ep = self.endpoint(request, id)
-        if kind not in admin_ops.SIMPLE_KINDS:
-            raise NotFound(f"unknown operation {kind!r}; known: {', '.join(admin_ops.SIMPLE_KINDS)}")
+        if kind not in ops.SIMPLE_KINDS:
+            raise NotFound(f"unknown operation {kind!r}; known: {', '.join(ops.SIMPLE_KINDS)}")
         ser = OperationRequestSerializer(data=request.data)  # a body that is not an object is a 400
         ser.is_valid(raise_exception=True)
         d = ser.validated_data
@@ -201,20 +201,20 @@ class OperationView(_Base):
 
 
 class ActionView(_Base):
-    @extend_schema(summary="An admin action: its state and, once finished, its report",
+    @extend_schema(summary="An ops action: its state and, once finished, its report",
                    responses={200: AdminActionSerializer, **errors(*READ_ERRORS)})
     def get(self, request, id: str, action_id: str):
         ep = self.endpoint(request, id)
         action = AdminAction.objects.filter(endpoint=ep, pk=int(action_id)).first()
         if action is None:
-            raise NotFound("No admin action with this id for this endpoint.")
+            raise NotFound("No ops action with this id for this endpoint.")
         return Response(AdminActionSerializer(action, context={"request": request}).data)
 
 
 # ------------------------------------------------------------------------------------ reading back
 class OperationLogQuerySerializer(serializers.Serializer):
     trace_id = serializers.CharField(max_length=64, required=False, help_text="a trace id or its prefix")
-    kind = serializers.ChoiceField(choices=admin_ops.KINDS, required=False)
+    kind = serializers.ChoiceField(choices=ops.KINDS, required=False)
     limit = serializers.IntegerField(min_value=1, max_value=1000, default=200)
 
 
@@ -244,14 +244,14 @@ class OperationLogSerializer(serializers.Serializer):
 
 
 class OperationLogView(_Base):
-    @extend_schema(summary="The endpoint's admin operation log (one row per request to a replica), newest first",
+    @extend_schema(summary="The endpoint's operation log (one row per request to a replica), newest first",
                    parameters=[OperationLogQuerySerializer],
                    responses={200: OperationLogSerializer, **errors(400, *READ_ERRORS)})
     def get(self, request, id: str):
         ep = self.endpoint(request, id)
         q = query_params(OperationLogQuerySerializer, request)
-        rows = admin_ops.operations(ep, trace_id=q.get("trace_id", ""), kind=q.get("kind", ""), limit=q["limit"])
-        return Response({"endpoint": ep.pk, "operations": [admin_ops.operation_dict(o, request.user) for o in rows]})
+        rows = ops.operations(ep, trace_id=q.get("trace_id", ""), kind=q.get("kind", ""), limit=q["limit"])
+        return Response({"endpoint": ep.pk, "operations": [ops.operation_dict(o, request.user) for o in rows]})
 
 
 class OperationStatsView(_Base):
@@ -259,12 +259,12 @@ class OperationStatsView(_Base):
                    responses={200: OpenApiTypes.OBJECT, **errors(*READ_ERRORS)})
     def get(self, request, id: str):
         ep = self.endpoint(request, id)
-        return Response({"endpoint": ep.pk, "queue_alert_ms": admin_ops.queue_alert_ms(),
-                         "current_weight_version": admin_ops.current_version(ep),
-                         "stats": admin_ops.timing_stats(ep),
+        return Response({"endpoint": ep.pk, "queue_alert_ms": ops.queue_alert_ms(),
+                         "current_weight_version": ops.current_version(ep),
+                         "stats": ops.timing_stats(ep),
                          "slow_actions": [AdminActionSerializer(a, context={"request": request}).data
-                                          for a in admin_ops.slow_actions(ep, limit=10)],
-                         "alerts": [admin_ops.operation_dict(o, request.user) for o in admin_ops.queue_alerts(ep)]})
+                                          for a in ops.slow_actions(ep, limit=10)],
+                         "alerts": [ops.operation_dict(o, request.user) for o in ops.queue_alerts(ep)]})
 
 
 # ------------------------------------------------------------------------------------ deprecated aliases

@@ -77,8 +77,12 @@ class Endpoint(models.Model):
         return bool(self.api_key)
 
 
+# AdminOperation and AdminAction are model-server operations ("ops": controlplane.endpoints.ops, workers.ops).
+# They keep their "Admin" names, tables, index names and related names on purpose: renaming them needs a
+# migration of stored data for no behaviour change (so do the deprecated /admin/ API aliases and the Celery
+# task's registered name, run_admin_action_task). Other new code says "ops"; "admin" is Django's admin site.
 class AdminOperation(models.Model):
-    """One admin request to one replica (a weight update is three: pause, update_weights, resume), timed as
+    """One ops request to one replica (a weight update is three: pause, update_weights, resume), timed as
     wall_ms (client) = rpc_ms (server) + queue_ms (client side). One trace id per user action, shared by
     the requests it made and sent to the server in the X-Trace-Id header."""
 
@@ -126,7 +130,7 @@ class AdminOperation(models.Model):
 
 
 class AdminAction(models.Model):
-    """One admin action a user asked for (an operation on every replica, or a weight update), run by a
+    """One ops action a user asked for (an operation on every replica, or a weight update), run by a
     Celery worker: the web process creates this row and enqueues it, never calling a model server itself.
     The worker records each request to each replica as an `AdminOperation` with the same trace id, and
     the action's report lands in `result`."""
@@ -164,7 +168,7 @@ class AdminAction(models.Model):
         return f"{self.kind} on endpoint {self.endpoint_id}: {self.state} ({self.trace_id})"
 
 
-# claimed once by a worker (admin_ops.execute): no holder or heartbeat; a redelivered message finds it running
+# claimed once by a worker (ops.execute): no holder or heartbeat; a redelivered message finds it running
 ADMIN_ACTION_CLAIM = Lease(AdminAction, waiting=AdminAction.State.QUEUED, running=AdminAction.State.RUNNING,
                            owner=None, heartbeat=None, attempts=None)
 

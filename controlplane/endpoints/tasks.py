@@ -1,7 +1,7 @@
-"""Health checks, pre-warm and admin actions (pause, resume, weight updates...) run here, in a Celery
+"""Health checks, pre-warm and ops actions (pause, resume, weight updates...) run here, in a Celery
 worker: the web process only enqueues them, so a user-registered URL is never called from the web
 process. Results land on the endpoint (last_health / last_health_at, last_prewarm) or on the
-`AdminAction` row."""
+`AdminAction` row (the model keeps its old name: see models.py)."""
 from __future__ import annotations
 
 from celery import shared_task
@@ -49,16 +49,18 @@ def prewarm_task(endpoint_id: int, n: int = 4) -> bool:
 
 # A weight update waits on its own per-request timeouts (pause 120 s, update 600 s, resume 30 s) with bounded
 # retries; the whole action stops at ADMIN_ACTION_DEADLINE_S (recorded failed; a resume is still sent).
+# The name keeps "admin" on purpose: it is the task's registered name, carried by messages already in the broker
+# (and by a resend after Redis lost its data); renaming it would leave those unregistered across a deploy.
 @shared_task(bind=True, ignore_result=True)
 def run_admin_action_task(self, action_id: int) -> str | None:
-    from . import admin_ops
+    from . import ops
 
     # a weight update behind an earlier one of the same endpoint: sent again shortly, never holding a control
     # slot while it waits (the watchdog and other actions go on)
-    if not self.request.is_eager and admin_ops.waits_for_earlier_update(action_id):
-        self.apply_async((action_id,), countdown=admin_ops.ORDER_RETRY_S)
+    if not self.request.is_eager and ops.waits_for_earlier_update(action_id):
+        self.apply_async((action_id,), countdown=ops.ORDER_RETRY_S)
         return "waiting"
-    return admin_ops.execute(action_id)
+    return ops.execute(action_id)
 
 
 def enqueue(kind: str, endpoint, n: int | None = None) -> None:

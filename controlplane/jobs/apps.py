@@ -24,7 +24,7 @@ class JobsConfig(AppConfig):
         register_slots_reader(queue_slots)
         # weight versions of rollouts (versions.py): tagged after each weight update the endpoints app records,
         # and the job page's panel of rollouts per version
-        from controlplane.endpoints.admin_ops import register_update_hook
+        from controlplane.endpoints.ops import register_update_hook
         from controlplane.panels import register_panel
 
         from . import versions

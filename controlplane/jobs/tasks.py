@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from controlplane.endpoints.admin_ops import recover_lost_actions
+from controlplane.endpoints.ops import recover_lost_actions
 
 from . import capacity, resume, runtime, services, verification  # noqa: F401 (resume: the worker's resume slots)
 from .models import CollectionJob, JobChunk
@@ -37,7 +37,7 @@ def watchdog() -> dict:
     report = runtime.watchdog(broker_lost=broker_lost)
     report["verification_reclaimed"] = verification.reclaim_stale(broker_lost=broker_lost)
     if broker_lost:
-        report["admin_actions"] = recover_lost_actions()
+        report["ops_actions"] = recover_lost_actions()
     report["broker_lost"] = broker_lost
     return report
 

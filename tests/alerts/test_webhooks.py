@@ -219,14 +219,14 @@ def test_a_stored_receiver_on_a_private_address_is_refused_at_send_time(user, re
 @pytest.mark.slow
 def test_a_control_action_over_its_threshold_is_sent(api, user, receiver, local_allowed, settings, eager_tasks,
                                                       django_capture_on_commit_callbacks):
-    from controlplane.endpoints import admin_ops
+    from controlplane.endpoints import ops
 
     settings.ADMIN_QUEUE_ALERT_MS = 0.0  # every action is over it
     rcv = receiver()
     ep = make_endpoint(user)  # a dead model server: the health check fails fast
     _hook(api, rcv.url, endpoint=ep.pk, events=["control.slow"])
     with django_capture_on_commit_callbacks(execute=True):
-        action = admin_ops.submit(ep, "health", user=user, source="api")  # run by the (eager) control task
+        action = ops.submit(ep, "health", user=user, source="api")  # run by the (eager) control task
     action.refresh_from_db()
     assert action.total_ms is not None
     [(headers, body)] = rcv.got

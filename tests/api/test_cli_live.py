@@ -201,8 +201,8 @@ def _api(url, token, method, path, body=None):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory, django_user_model):
-    """Admin operations run in the Celery worker: the web answers 202 at once, even when the model server
+def test_cli_login_and_ops_actions_run_in_the_worker(stack, simulator_factory, django_user_model):
+    """Model-server operations run in the Celery worker: the web answers 202 at once, even when the model server
     hangs, and the report lands on the action; `rolloutctl` polls it. `login` issues a token, `logout`
     revokes it."""
     from controlplane.endpoints.models import AdminAction, AdminOperation, Endpoint
@@ -217,8 +217,10 @@ def test_cli_login_and_admin_actions_run_in_the_worker(stack, simulator_factory,
     assert len(fresh) == 64 and fresh != token and "valid until" in r.stderr
     assert _api(url, fresh, "GET", "endpoints/")[0] == 200
     assert cli(url, fresh, "logout").returncode == 0
-    r = cli(url, fresh, "admin-stats", 1)
+    r = cli(url, fresh, "ops-stats", 1)
     assert r.returncode == 5 and "HTTP 401" in r.stderr
+    r = cli(url, fresh, "admin-stats", 1)  # the deprecated name still runs ops-stats, and says so on stderr
+    assert r.returncode == 5 and "HTTP 401" in r.stderr and "'admin-stats' is deprecated; use 'ops-stats'" in r.stderr
 
     sim = simulator_factory(update_weights_ms=50)
     ep = Endpoint.objects.create(owner=django_user_model.objects.get(username="ci"), name="sim", base_url=sim.url,

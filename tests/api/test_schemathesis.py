@@ -68,7 +68,7 @@ if os.environ.get("FUZZ_ONLY"):
 
 @pytest.fixture
 def world(alice, eager_tasks):
-    """Celery tasks run inline, so the admin actions and health checks the API queues are run (against a
+    """Celery tasks run inline, so the ops actions and health checks the API queues are run (against a
     closed local port) and their results, stored on the rows, are read back."""
     job = service_job(alice, limit=3)
     add_rollouts(job, 5, failed_every=2)
@@ -98,7 +98,7 @@ def test_api_conforms_to_schema(case, world):
             if "action_id" in params:
                 params["action_id"] = str(world["action"].pk)
     if path.startswith("/api/endpoints/{id}/") and path != "/api/endpoints/{id}/":
-        # health, prewarm, admin operations, weight updates contact the model server: keep them local and quick
+        # health, prewarm, model-server operations, weight updates contact the model server: keep them local and quick
         world["endpoint"].base_url, world["endpoint"].connect_timeout_s = "http://127.0.0.1:9", 0.2
         world["endpoint"].request_timeout_s, world["endpoint"].max_retries = 0.5, 0
         world["endpoint"].save()

@@ -1,4 +1,4 @@
-"""controlplane.leases: the one lease protocol of chunks, verification runs and admin actions (the chunk's own
+"""controlplane.leases: the one lease protocol of chunks, verification runs and ops actions (the chunk's own
 paths through runtime.acquire_lease / release_lease and the watchdog are in test_jobs_services.py)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admin operations from the control plane (API, dashboard, command) against the simulator, and the weight
+"""Model-server operations from the control plane (API, dashboard, command) against the simulator, and the weight
 versions of a job's rollouts."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from django.utils import timezone
 from tests.factories import InlineRun, api_token
 from rest_framework.test import APIClient
 
-from controlplane.endpoints import admin_ops
+from controlplane.endpoints import ops
 from controlplane.endpoints.models import AdminAction, AdminOperation, WeightVersion
 from controlplane.jobs.versions import VersionTagger
 from controlplane.jobs import services
@@ -35,7 +35,7 @@ def api(user, eager_tasks):
 
 
 def act(api, url, body=None, *, state=None):
-    """POST an admin action (202 with its URL), then read it back as a trainer polling it would; returns
+    """POST an ops action (202 with its URL), then read it back as a trainer polling it would; returns
     its report (`result`)."""
     r = api.post(url, body or {}, format="json")
     assert r.status_code == 202, r.content
@@ -69,9 +69,9 @@ def test_weight_update_route_for_a_trainer(api, user, sim_endpoint, simulator_fa
     assert act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/x", "version": 10})["version"] == "10"
     assert list(WeightVersion.objects.filter(endpoint=ep).values_list("version", flat=True)) == ["10", "2", "1"]
     # stored: six operations per update with one trace id, timed, rpc from the server's Server-Timing
-    ops = AdminOperation.objects.filter(endpoint=ep, trace_id=out["trace_id"])
-    assert ops.count() == 6 and set(ops.values_list("status", flat=True)) == {"ok"}
-    upd = ops.filter(kind="update_weights").first()
+    rows = AdminOperation.objects.filter(endpoint=ep, trace_id=out["trace_id"])
+    assert rows.count() == 6 and set(rows.values_list("status", flat=True)) == {"ok"}
+    upd = rows.filter(kind="update_weights").first()
     assert upd.rpc_source == "server-timing" and upd.rpc_ms >= 45 and upd.wall_ms >= upd.rpc_ms
     assert upd.queue_ms == pytest.approx(upd.wall_ms - upd.rpc_ms, abs=0.01)
     assert upd.params["checkpoint_id"] == "step-100" and upd.source == "api"
@@ -93,7 +93,7 @@ def test_bad_update_requests_are_refused_and_send_nothing(api, user, sim_endpoin
         assert api.post(f"/api/endpoints/{ep.pk}/weights/", bad, format="json").status_code == 400, bad
     hosted = sim_endpoint(simulator.url, owner=user, kind="openai", name="hosted")
     r = api.post(f"/api/endpoints/{hosted.pk}/weights/", {"path": "/x"}, format="json")
-    assert r.status_code == 400 and "no admin routes" in json.dumps(r.json())
+    assert r.status_code == 400 and "no ops routes" in json.dumps(r.json())
     assert not AdminOperation.objects.exists() and not AdminAction.objects.exists()
 
 
@@ -127,10 +127,10 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
     stuck.configure(admin_faults={"pause": "stall", "health": "stall"})
     dead = _dead_url()
     ep = sim_endpoint(good.url, owner=user, replica_urls=[stuck.url, dead], max_retries=0, connect_timeout_s=1)
-    from workers.admin import client as admin_client
+    from workers.ops import client as ops_client
 
-    old = dict(admin_client.DEFAULT_TIMEOUTS_S)
-    admin_client.DEFAULT_TIMEOUTS_S.update(pause=1.0, health=1.0)
+    old = dict(ops_client.DEFAULT_TIMEOUTS_S)
+    ops_client.DEFAULT_TIMEOUTS_S.update(pause=1.0, health=1.0)
     try:
         t0 = time.monotonic()
         out = act(api, f"/api/endpoints/{ep.pk}/weights/", {"path": "/ckpt/3"}, state="failed")
@@ -143,8 +143,8 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
         h = act(api, f"/api/endpoints/{ep.pk}/ops/health/")
         assert h["ok"] is False and h["unanswered"] == [stuck.url]
     finally:
-        admin_client.DEFAULT_TIMEOUTS_S.clear()
-        admin_client.DEFAULT_TIMEOUTS_S.update(old)
+        ops_client.DEFAULT_TIMEOUTS_S.clear()
+        ops_client.DEFAULT_TIMEOUTS_S.update(old)
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_queued_actions_lost_with_the_brokers_data_are_sent_again_or_expired(use
 
     monkeypatch.setattr(services, "broker_lost_its_data", lambda: True)
     report = tasks.watchdog()
-    assert report["broker_lost"] is True and report["admin_actions"] == {"resent": [recent.pk], "expired": [old.pk]}
+    assert report["broker_lost"] is True and report["ops_actions"] == {"resent": [recent.pk], "expired": [old.pk]}
     recent.refresh_from_db()
     old.refresh_from_db()
     assert recent.state == "succeeded" and AdminOperation.objects.filter(trace_id="recent", kind="pause").exists()
@@ -213,7 +213,7 @@ def test_queued_actions_lost_with_the_brokers_data_are_sent_again_or_expired(use
     assert AdminAction.objects.get(pk=done.pk).state == "succeeded"
 
     monkeypatch.setattr(services, "broker_lost_its_data", lambda: False)  # the next beat: nothing lost, nothing sent
-    assert "admin_actions" not in tasks.watchdog()
+    assert "ops_actions" not in tasks.watchdog()
     assert AdminOperation.objects.filter(trace_id="recent").count() == 1
 
 
@@ -243,14 +243,17 @@ def test_operations_from_the_api_and_the_command(api, user, sim_endpoint, simula
     for action in AdminAction.objects.filter(endpoint=ep):
         assert AdminOperation.objects.filter(trace_id=action.trace_id).count() == (7 if action.kind == "prewarm" else 2)
 
-    call_command("endpoint_admin", "two-sims", "update_weights", "--checkpoint-id", "ck-9", "--weight-version", "9")
+    call_command("endpoint_ops", "two-sims", "update_weights", "--checkpoint-id", "ck-9", "--weight-version", "9")
     assert "ok, version 9" in capsys.readouterr().out
     assert a.get_json("/weight_version")["weight_version"] == 9
     a.configure(admin_faults={"reset_prefix_cache": "500"})
     with pytest.raises(CommandError, match="failed on a replica"):
-        call_command("endpoint_admin", str(ep.pk), "reset_prefix_cache")
-    call_command("endpoint_admin", str(ep.pk), "stats")
+        call_command("endpoint_ops", str(ep.pk), "reset_prefix_cache")
+    call_command("endpoint_ops", str(ep.pk), "stats")
     assert "update_weights" in capsys.readouterr().out
+    call_command("endpoint_admin", str(ep.pk), "stats")  # the deprecated name: the same command, a note on stderr
+    out, err = capsys.readouterr()
+    assert "update_weights" in out and "'endpoint_admin' is deprecated; use 'endpoint_ops'" in err
     kinds = set(AdminOperation.objects.filter(endpoint=ep).values_list("kind", flat=True))
     assert kinds == {"pause", "resume", "prewarm", "sleep", "wake_up", "update_weights", "reset_prefix_cache"}
     assert set(AdminOperation.objects.filter(endpoint=ep).values_list("source", flat=True)) == {"api", "command"}
@@ -336,7 +339,7 @@ def test_servers_without_a_version_are_tagged_by_dispatch_time(user, sim_endpoin
     tagger.tag(batch)
     # dispatched before any update: the version before the first; then each update from its pause on
     assert [r.weight_version for r in batch] == ["0", "1", "2", "7"]
-    assert admin_ops.current_version(ep) == "2"
+    assert ops.current_version(ep) == "2"
 
 
 def test_rollouts_stored_before_the_first_update_are_tagged_when_it_is_recorded(user, sim_endpoint, math_dataset):

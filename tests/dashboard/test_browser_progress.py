@@ -34,7 +34,7 @@ def two_worker_stack(transactional_db, simulator_factory, django_user_model, mon
     sim = simulator_factory(ttft_ms=150, itl_ms=5, output_len_min=40, output_len_max=50, jitter=0.05, seed=4)
     user = django_user_model.objects.create_user(username="dana", password="dana-pw-123")
     # A queue of this test's own (the endpoint routes its chunks there): messages other tests left in the
-    # suite's default queue (an admin action against a hung server, say) cannot hold these workers' slots.
+    # suite's default queue (an ops action against a hung server, say) cannot hold these workers' slots.
     queue = f"progress-{uuid.uuid4().hex[:10]}"
     ep = Endpoint.objects.create(owner=user, name="simulator", base_url=sim.url, model_name=sim.model, max_retries=2,
                                  request_timeout_s=30, worker_queue=queue)

@@ -70,14 +70,14 @@ def test_staff_and_sole_owners_may_change_the_server(shared):
 
 def test_a_record_registered_after_the_action_was_queued_stops_it(shared):
     """The right is checked again when the worker runs the action."""
-    from controlplane.endpoints import admin_ops
+    from controlplane.endpoints import ops
 
     sim, alice, bob, ep_alice, ep_bob = shared
     ep_bob.delete()
     action = AdminAction.objects.create(endpoint=ep_alice, trace_id="t" * 32, kind="pause", params={"mode": "keep"},
                                         requested_by=alice)
     make_endpoint(bob, f"http://127.0.0.1:{sim.port}", model=sim.model, name="bob-again")
-    assert admin_ops.execute(action.pk) == AdminAction.State.FAILED
+    assert ops.execute(action.pk) == AdminAction.State.FAILED
     action.refresh_from_db()
     assert "shared" in action.error
     assert sim.get_json("/is_paused")["is_paused"] is False

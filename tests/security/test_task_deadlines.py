@@ -67,7 +67,7 @@ def test_every_task_ends_at_its_deadline_and_frees_the_worker(simulator, tmp_pat
             action.refresh_from_db()
             return action.state in AdminAction.FINISHED
 
-        wait_for(action_done, 60, "the admin action never ended", worker.tail)
+        wait_for(action_done, 60, "the ops action never ended", worker.tail)
         assert action.state == "failed" and "deadline" in action.error
 
         def sweep_done():

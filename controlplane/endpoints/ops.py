@@ -1,7 +1,7 @@
-"""Admin operations on an endpoint's replicas, recorded and timed (the dashboard, API, command and CLI
+"""Model-server operations on an endpoint's replicas, recorded and timed (the dashboard, API, command and CLI
 all come through here).
 
-Every operation goes out through the dedicated admin client (`workers.admin`), never through a rollout
+Every operation goes out through the dedicated ops client (`workers.ops`), never through a rollout
 session, with one trace id for the whole user action; each request to each replica is stored as an
 `AdminOperation` with wall_ms / rpc_ms / queue_ms. Operations block for at most their own timeouts (a
 replica that does not answer is reported as `no_answer`), and never raise on network errors.
@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from controlplane import disclosure, lanes
 from controlplane.telemetry import record_admin_action
-from workers.admin import ops
-from workers.admin.client import OpResult, new_trace_id
+from workers.ops import replicas
+from workers.ops.client import OpResult, new_trace_id
 from workers.engine.aggregate import quantile
 
 from .sharing import SharedServerDenied, check_may_change  # noqa: F401 (SharedServerDenied: for callers)
@@ -49,11 +49,11 @@ def register_update_hook(before, after) -> None:
         UPDATE_HOOKS.append((before, after))
 
 
-class AdminOpError(ValueError):
-    """The operation cannot be sent as asked (bad parameter, hosted API without admin routes)."""
+class OpsError(ValueError):
+    """The operation cannot be sent as asked (bad parameter, hosted API without ops routes)."""
 
 
-class StaleVersion(AdminOpError):
+class StaleVersion(OpsError):
     """A weight update names a version lower than the endpoint's current one, or than an update asked before it
     (the API answers 409, code `stale_version`): versions never go backwards."""
 
@@ -65,11 +65,11 @@ MAX_WAIT_S = 60.0  # ?wait=S on a POST: at most this long
 
 
 def check_trace_id(value) -> str | None:
-    """The caller's trace id, normalised, or None when none was given. Raises AdminOpError when malformed."""
+    """The caller's trace id, normalised, or None when none was given. Raises OpsError when malformed."""
     if value is None or value == "":
         return None
     if not isinstance(value, str) or not TRACE_ID.fullmatch(value.strip()):
-        raise AdminOpError("trace id must be 8 to 64 hex digits or dashes (a uuid, a W3C trace id)")
+        raise OpsError("trace id must be 8 to 64 hex digits or dashes (a uuid, a W3C trace id)")
     return value.strip().lower()
 
 
@@ -110,34 +110,34 @@ def _op_dict(r: OpResult, api_key: str | None) -> dict:
             "queue_ms": r.queue_ms, "attempts": r.attempts, "timed_out": r.timed_out}
 
 
-def _check_admin_capable(endpoint) -> None:
+def _check_ops_capable(endpoint) -> None:
     if endpoint.kind == Endpoint.Kind.OPENAI:
-        raise AdminOpError("this endpoint is a hosted OpenAI-compatible API: it has no admin routes")
+        raise OpsError("this endpoint is a hosted OpenAI-compatible API: it has no ops routes")
 
 
 def check_operation(endpoint, kind: str, *, mode: str | None = None, level: int | None = None,
                     count: int | None = None) -> dict:
     """Validate an operation before it is queued; returns its params (defaults filled in). Raises
-    AdminOpError (the API answers 400) for what no model server could fix."""
+    OpsError (the API answers 400) for what no model server could fix."""
     if kind not in SIMPLE_KINDS:
-        raise AdminOpError(f"unknown operation {kind!r}; known: {', '.join(SIMPLE_KINDS)} (and update_weights)")
+        raise OpsError(f"unknown operation {kind!r}; known: {', '.join(SIMPLE_KINDS)} (and update_weights)")
     if kind != "prewarm" and kind != "health":
-        _check_admin_capable(endpoint)
+        _check_ops_capable(endpoint)
     params: dict[str, Any] = {}
     if kind == "pause":
         mode = mode or "keep"
-        if mode not in ops.PAUSE_MODES:
-            raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {mode!r}")
+        if mode not in replicas.PAUSE_MODES:
+            raise OpsError(f"pause mode must be one of {', '.join(replicas.PAUSE_MODES)}, got {mode!r}")
         params["mode"] = mode
     elif kind == "sleep":
         level = 1 if level is None else level
         if level not in (1, 2):
-            raise AdminOpError(f"sleep level must be 1 or 2, got {level!r}")
+            raise OpsError(f"sleep level must be 1 or 2, got {level!r}")
         params["level"] = level
     elif kind == "prewarm":
         count = len(_urls(endpoint)) * 4 if count is None else count
         if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_PREWARM:
-            raise AdminOpError(f"pre-warm count must be an integer between 0 and {MAX_PREWARM}, got {count!r}")
+            raise OpsError(f"pre-warm count must be an integer between 0 and {MAX_PREWARM}, got {count!r}")
         params["count"] = count
     return params
 
@@ -152,15 +152,15 @@ def run_operation(endpoint, kind: str, *, mode: str | None = None, level: int | 
     urls = _urls(endpoint)
     trace_id = trace_id or new_trace_id()
     if kind == "pause":
-        fn = lambda c: ops.pause(c, urls, params["mode"], trace_id=trace_id)  # noqa: E731
+        fn = lambda c: replicas.pause(c, urls, params["mode"], trace_id=trace_id)  # noqa: E731
     elif kind == "sleep":
-        fn = lambda c: ops.sleep(c, urls, params["level"], trace_id=trace_id)  # noqa: E731
+        fn = lambda c: replicas.sleep(c, urls, params["level"], trace_id=trace_id)  # noqa: E731
     elif kind == "prewarm":
-        fn = lambda c: ops.prewarm(c, urls, params["count"], model=endpoint.model_name,  # noqa: E731
-                                   flavor=endpoint.api_flavor, trace_id=trace_id)
+        fn = lambda c: replicas.prewarm(c, urls, params["count"], model=endpoint.model_name,  # noqa: E731
+                                        flavor=endpoint.api_flavor, trace_id=trace_id)
     else:
-        fn = lambda c: ops.simple(c, urls, kind, trace_id=trace_id)  # noqa: E731
-    results = ops.run(fn, deadline_s=deadline_s, **_client_kw(endpoint))
+        fn = lambda c: replicas.simple(c, urls, kind, trace_id=trace_id)  # noqa: E731
+    results = replicas.run(fn, deadline_s=deadline_s, **_client_kw(endpoint))
     _record(endpoint, results, params=params, source=source, user=user)
     out = {"trace_id": trace_id, "kind": kind, "params": params, "ok": all(r.ok for r in results),
            "operations": [_op_dict(r, endpoint.api_key) for r in results],
@@ -211,17 +211,17 @@ def check_not_stale(endpoint, version, *, before_action: int | None = None) -> N
 
 def check_update(endpoint, *, path: str = "", checkpoint_id: str = "", version: int | None = None,
                  pause_mode: str = "keep", server: str | None = None) -> dict:
-    """Validate a weight update before it is queued; returns its params. Raises AdminOpError."""
-    _check_admin_capable(endpoint)
+    """Validate a weight update before it is queued; returns its params. Raises OpsError."""
+    _check_ops_capable(endpoint)
     path, checkpoint_id = path or "", checkpoint_id or ""  # as given: the model server judges them
     if not path and not checkpoint_id:
-        raise AdminOpError("give the new weights: a path or a checkpoint id")
+        raise OpsError("give the new weights: a path or a checkpoint id")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-        raise AdminOpError(f"version must be an integer >= 0, got {version!r}")
-    if pause_mode not in ops.PAUSE_MODES:
-        raise AdminOpError(f"pause mode must be one of {', '.join(ops.PAUSE_MODES)}, got {pause_mode!r}")
-    if server is not None and server not in ops.SERVER_KINDS:
-        raise AdminOpError(f"server must be one of {', '.join(ops.SERVER_KINDS)}, got {server!r}")
+        raise OpsError(f"version must be an integer >= 0, got {version!r}")
+    if pause_mode not in replicas.PAUSE_MODES:
+        raise OpsError(f"pause mode must be one of {', '.join(replicas.PAUSE_MODES)}, got {pause_mode!r}")
+    if server is not None and server not in replicas.SERVER_KINDS:
+        raise OpsError(f"server must be one of {', '.join(replicas.SERVER_KINDS)}, got {server!r}")
     return {"path": path, "checkpoint_id": checkpoint_id, "version": version, "pause_mode": pause_mode,
             "server": server}
 
@@ -244,11 +244,11 @@ def update_weights(endpoint, *, path: str = "", checkpoint_id: str = "", version
     marks = [(after, before(endpoint)) for before, after in UPDATE_HOOKS]  # e.g. the newest rollout id
 
     async def go(client):
-        kind = server or await ops.detect_server(client, urls[0])
-        return kind, await ops.update_weights(client, urls, server=kind, path=path, checkpoint_id=checkpoint_id,
+        kind = server or await replicas.detect_server(client, urls[0])
+        return kind, await replicas.update_weights(client, urls, server=kind, path=path, checkpoint_id=checkpoint_id,
                                               version=new_version, trace_id=trace_id, pause_mode=pause_mode)
 
-    server_kind, report = ops.run(go, deadline_s=deadline_s, **_client_kw(endpoint))
+    server_kind, report = replicas.run(go, deadline_s=deadline_s, **_client_kw(endpoint))
     params = {"path": path, "checkpoint_id": checkpoint_id, "version": str(new_version), "pause_mode": pause_mode,
               "server": server_kind}
     updates = [s for s in report.steps if s.kind == "update_weights"]
@@ -280,7 +280,7 @@ class QueueUnavailable(RuntimeError):
 
 
 def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> AdminAction:
-    """Validate an action (AdminOpError on bad input), store it as a queued `AdminAction` and hand it to a
+    """Validate an action (OpsError on bad input), store it as a queued `AdminAction` and hand it to a
     Celery worker, which calls the model servers; the report lands on the row. The web process never
     calls a model server (a user-registered URL), and never waits on one. An operation that changes a server
     another user's record points at raises SharedServerDenied (sharing.py; the API answers 403)."""
@@ -293,7 +293,7 @@ def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> Adm
         params = check_operation(endpoint, kind, **raw)
     action = AdminAction.objects.create(endpoint=endpoint, trace_id=trace_id, kind=kind, params=params,
                                         source=source[:20], requested_by=user if getattr(user, "pk", None) else None)
-    logger.info("admin action %s (%s) on endpoint %s asked by %s, trace %s", action.pk, kind, endpoint.pk,
+    logger.info("ops action %s (%s) on endpoint %s asked by %s, trace %s", action.pk, kind, endpoint.pk,
                 getattr(user, "username", None) or source, trace_id)
     try:  # by name: the task module imports this one
         current_app.tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
@@ -332,7 +332,7 @@ def recover_lost_actions(max_age_s: float | None = None, now=None) -> dict:
                 state=AdminAction.State.FAILED, finished_at=timezone.now(),
                 error=f"the task queue is unavailable: {exc}"[:2000])
     if resent or expired:
-        logger.warning("admin actions after the broker lost its data: sent again %s, expired %s", resent, expired)
+        logger.warning("ops actions after the broker lost its data: sent again %s, expired %s", resent, expired)
     return {"resent": resent, "expired": expired}
 
 
@@ -365,7 +365,7 @@ def execute(action_id: int) -> str | None:
     try:
         # checked again here: another user may have registered the same server since it was queued
         check_may_change(action.requested_by, action.endpoint, action.kind)
-        logger.info("admin action %s (%s) on endpoint %s started after %.0f ms, trace %s", action_id, action.kind,
+        logger.info("ops action %s (%s) on endpoint %s started after %.0f ms, trace %s", action_id, action.kind,
                     action.endpoint_id, _ms(action.created_at, action.started_at), action.trace_id)
         if action.kind == "update_weights":
             check_not_stale(action.endpoint, p.get("version"), before_action=action_id)  # asked before: versions never go backwards
@@ -375,9 +375,9 @@ def execute(action_id: int) -> str | None:
         else:
             result = run_operation(action.endpoint, action.kind, mode=p.get("mode"), level=p.get("level"),
                                    count=p.get("count"), **kw)
-    except (AdminOpError, SharedServerDenied) as exc:  # the endpoint changed since it was queued
+    except (OpsError, SharedServerDenied) as exc:  # the endpoint changed since it was queued
         error = str(exc)
-    except TimeoutError as exc:  # ops.run's total deadline: the replicas were told to resume
+    except TimeoutError as exc:  # replicas.run's total deadline: the replicas were told to resume
         error = f"{action.kind} {exc} (ADMIN_ACTION_DEADLINE_S); check the replicas"
     except Exception as exc:  # noqa: BLE001 - recorded on the row; the worker lives on
         error = f"{type(exc).__name__}: {exc}"
@@ -396,7 +396,7 @@ def execute(action_id: int) -> str | None:
                      action_id=action_id, action_kind=action.kind, state=str(state), dispatch_ms=action.dispatch_ms,
                      total_ms=total_ms, threshold_ms=queue_alert_ms(), trace_id=action.trace_id)
     log = logger.warning if slow else logger.info
-    log("admin action %s (%s) on endpoint %s %s: dispatch %.0f ms, total %.0f ms, trace %s", action_id, action.kind,
+    log("ops action %s (%s) on endpoint %s %s: dispatch %.0f ms, total %.0f ms, trace %s", action_id, action.kind,
         action.endpoint_id, state, action.dispatch_ms or 0.0, total_ms, action.trace_id)
     return state
 

@@ -1,6 +1,6 @@
-"""A dedicated HTTP client for admin operations on model servers (never shared with rollout traffic).
+"""A dedicated HTTP client for model-server operations ("ops"; never shared with rollout traffic).
 
-Why a client of its own: rollout traffic holds long streaming responses open. An admin call sent
+Why a client of its own: rollout traffic holds long streaming responses open. An ops call sent
 through the same connection pool waits *on the client side* for a free connection, so a weight update
 that takes 0.4 s on the server can take many seconds end to end. This client therefore has:
 
@@ -39,7 +39,7 @@ DEFAULT_TIMEOUTS_S = {
     "update_weights": 600.0, "sleep": 120.0, "wake_up": 120.0, "collective_rpc": 600.0,
 }
 DEFAULT_TIMEOUT_S = 30.0
-MAX_BODY_BYTES = 1 << 20  # an admin answer is small JSON; a larger one is refused, not buffered
+MAX_BODY_BYTES = 1 << 20  # an ops answer is small JSON; a larger one is refused, not buffered
 _SERVER_TIMING = re.compile(r"(?:^|,)\s*rpc\s*;(?:[^,]*;)?\s*dur=([0-9.]+)", re.I)
 
 
@@ -49,7 +49,7 @@ def new_trace_id() -> str:
 
 @dataclass
 class OpResult:
-    """One admin request to one replica (the last attempt's timings; total_ms spans every attempt)."""
+    """One ops request to one replica (the last attempt's timings; total_ms spans every attempt)."""
     kind: str
     replica: str
     trace_id: str
@@ -104,8 +104,8 @@ def _transport_error(exc: BaseException) -> str:
     return with_detail(reason, detail)
 
 
-class AdminClient:
-    """Use as `async with AdminClient(...) as c: await c.call(url, "POST", "/pause", kind="pause")`."""
+class OpsClient:
+    """Use as `async with OpsClient(...) as c: await c.call(url, "POST", "/pause", kind="pause")`."""
 
     def __init__(self, *, api_key: str | None = None, connect_timeout_s: float = 5.0,
                  timeouts: dict[str, float] | None = None, max_retries: int = 2, backoff_s: float = 0.2,
@@ -118,7 +118,7 @@ class AdminClient:
         self.limit = limit
         self._session: outbound.GatedSession | None = None
 
-    async def __aenter__(self) -> "AdminClient":
+    async def __aenter__(self) -> "OpsClient":
         tc = aiohttp.TraceConfig()  # its default context carries our _Timing as trace_request_ctx
         tc.on_request_headers_sent.append(_on_headers_sent)
         tc.on_connection_create_start.append(_on_conn_start)
@@ -137,8 +137,8 @@ class AdminClient:
 
     async def call(self, base_url: str, method: str, path: str, *, kind: str, params: dict | None = None,
                    json_body: Any = None, trace_id: str | None = None, timeout_s: float | None = None) -> OpResult:
-        """One admin operation on one replica; never raises on HTTP or network errors."""
-        assert self._session is not None, "use AdminClient as an async context manager"
+        """One operation on one replica; never raises on HTTP or network errors."""
+        assert self._session is not None, "use OpsClient as an async context manager"
         base = base_url.rstrip("/")
         res = OpResult(kind=kind, replica=base, trace_id=trace_id or new_trace_id())
         timeout_s = timeout_s if timeout_s is not None else self.timeout_for(kind)
@@ -164,7 +164,7 @@ class AdminClient:
         res.timed_out = False
         tmo = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
         try:
-            # No redirects: a 3xx is the server's answer (following one would send an admin call, and read
+            # No redirects: a 3xx is the server's answer (following one would send an ops call, and read
             # back a page, wherever the server points: issue 12's SSRF). The body is read up to a cap.
             async with self._session.request(method, url, params=params, json=json_body, headers=headers,
                                              timeout=tmo, trace_request_ctx=timing) as resp:

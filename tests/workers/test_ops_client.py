@@ -1,4 +1,4 @@
-"""The dedicated admin client and the endpoint-wide admin operations, against the simulator."""
+"""The dedicated ops client and the endpoint-wide model-server operations, against the simulator."""
 from __future__ import annotations
 
 import socket
@@ -6,12 +6,11 @@ import time
 
 import pytest
 
-from workers.admin import AdminClient, parse_server_timing
-from workers.admin import ops
+from workers.ops import OpsClient, parse_server_timing, replicas
 
 
 def _run(coro_fn, **kw):
-    return ops.run(coro_fn, **kw)
+    return replicas.run(coro_fn, **kw)
 
 
 def test_server_timing_parsing():
@@ -22,7 +21,7 @@ def test_server_timing_parsing():
 
 
 def test_every_op_sends_a_trace_id_and_is_timed(simulator):
-    res = _run(lambda c: ops.simple(c, [simulator.url], "reset_prefix_cache", trace_id="trace-abc"))
+    res = _run(lambda c: replicas.simple(c, [simulator.url], "reset_prefix_cache", trace_id="trace-abc"))
     (r,) = res
     assert r.ok and r.status == 200 and r.attempts == 1
     assert r.trace_id == "trace-abc"
@@ -33,7 +32,7 @@ def test_every_op_sends_a_trace_id_and_is_timed(simulator):
 
 def test_rpc_ms_is_the_server_time_not_the_client_wait(simulator_factory):
     sim = simulator_factory(update_weights_ms=300)
-    (r,) = _run(lambda c: ops.simple(c, [sim.url], "health"))
+    (r,) = _run(lambda c: replicas.simple(c, [sim.url], "health"))
     assert r.ok
     res = _run(lambda c: c.call(sim.url, "POST", "/update_weights", kind="update_weights", json_body={}))
     assert res.ok and res.body["weight_version"] == 1
@@ -42,7 +41,7 @@ def test_rpc_ms_is_the_server_time_not_the_client_wait(simulator_factory):
 
 
 def test_update_is_pause_keep_update_resume_and_bumps_the_version(simulator):
-    rep = _run(lambda c: ops.update_weights(c, [simulator.url], server="simulator", version=7, checkpoint_id="ck-7"))
+    rep = _run(lambda c: replicas.update_weights(c, [simulator.url], server="simulator", version=7, checkpoint_id="ck-7"))
     assert rep.ok, rep.to_dict()
     assert [(s.kind, s.ok) for s in rep.steps] == [("pause", True), ("update_weights", True), ("resume", True)]
     assert rep.steps[0].body["mode"] == "keep"
@@ -54,7 +53,7 @@ def test_update_is_pause_keep_update_resume_and_bumps_the_version(simulator):
 def test_resume_is_sent_when_the_update_fails(simulator_factory):
     sim = simulator_factory()
     sim.configure(admin_faults={"update_weights": "500"})
-    rep = _run(lambda c: ops.update_weights(c, [sim.url], server="simulator", version=3), max_retries=2,
+    rep = _run(lambda c: replicas.update_weights(c, [sim.url], server="simulator", version=3), max_retries=2,
                backoff_s=0.01)
     assert not rep.ok
     kinds = [(s.kind, s.ok, s.status) for s in rep.steps]
@@ -82,7 +81,7 @@ def test_a_replica_that_does_not_answer_is_reported_not_waited_on(simulator_fact
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     t0 = time.monotonic()
-    rep = _run(lambda c: ops.update_weights(c, [good.url, stuck.url, dead], server="simulator", version=2),
+    rep = _run(lambda c: replicas.update_weights(c, [good.url, stuck.url, dead], server="simulator", version=2),
                timeouts={"pause": 1.5}, max_retries=1, backoff_s=0.01)
     took = time.monotonic() - t0
     assert took < 10
@@ -95,22 +94,22 @@ def test_a_replica_that_does_not_answer_is_reported_not_waited_on(simulator_fact
     assert by[(stuck.url, "resume")].ok  # still resumed
     assert good.get_json("/weight_version")["weight_version"] == 2
     # health: the stuck replica is reported within its timeout
-    res = _run(lambda c: ops.simple(c, [good.url, stuck.url], "health"), timeouts={"health": 1.0})
+    res = _run(lambda c: replicas.simple(c, [good.url, stuck.url], "health"), timeouts={"health": 1.0})
     assert [r.ok for r in res] == [True, False] and res[1].timed_out
 
 
 def test_prewarm_sends_the_requested_count_spread_over_replicas(simulator_factory):
     a, b = simulator_factory(), simulator_factory()
-    res = _run(lambda c: ops.prewarm(c, [a.url, b.url], 5, model=a.model))
+    res = _run(lambda c: replicas.prewarm(c, [a.url, b.url], 5, model=a.model))
     assert len(res) == 5 and all(r.ok for r in res)
     assert [r.replica for r in res].count(a.url) == 3
     assert "vllm:request_success_total" in a.metrics_text()
     with pytest.raises(ValueError):
-        _run(lambda c: ops.prewarm(c, [a.url], -1, model=a.model))
+        _run(lambda c: replicas.prewarm(c, [a.url], -1, model=a.model))
 
 
 def test_fresh_connection_per_op(simulator):
-    async def go(c: AdminClient):
+    async def go(c: OpsClient):
         await c.call(simulator.url, "GET", "/health", kind="health")
         await c.call(simulator.url, "GET", "/health", kind="health")
         return c._session.connector
@@ -123,7 +122,7 @@ def test_redirects_are_not_followed_and_answers_are_capped():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from workers.admin.client import MAX_BODY_BYTES
+    from workers.ops.client import MAX_BODY_BYTES
 
     hits = []
 
@@ -151,9 +150,9 @@ def test_redirects_are_not_followed_and_answers_are_capped():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        (r,) = _run(lambda c: ops.pause(c, [url], "keep"), max_retries=0)
+        (r,) = _run(lambda c: replicas.pause(c, [url], "keep"), max_retries=0)
         assert not r.ok and r.status == 307 and r.error.startswith("HTTP 307")
-        (big,) = _run(lambda c: ops.simple(c, [url], "reset_prefix_cache"), max_retries=0)
+        (big,) = _run(lambda c: replicas.simple(c, [url], "reset_prefix_cache"), max_retries=0)
         assert not big.ok and big.status == 500 and "over 1048576 bytes" in big.error and big.body is None
         assert "/internal-page" not in hits and len(hits) == 2
     finally:

@@ -1,4 +1,4 @@
-"""Admin operations on every replica of an endpoint, through the dedicated `AdminClient`.
+"""Model-server operations on every replica of an endpoint, through the dedicated `OpsClient`.
 
 Each function takes the replicas' base URLs and returns one `OpResult` per request (per replica, and per
 step for a weight update), all carrying the trace id of the operation. Replicas are handled
@@ -14,7 +14,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import AdminClient, OpResult, new_trace_id
+from .client import OpsClient, OpResult, new_trace_id
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SERVER_KINDS = ("simulator", "vllm")
@@ -35,7 +35,7 @@ async def _each(urls: list[str], fn) -> list:
     return flat
 
 
-async def simple(client: AdminClient, urls: list[str], kind: str, *, trace_id: str | None = None,
+async def simple(client: OpsClient, urls: list[str], kind: str, *, trace_id: str | None = None,
                  params: dict | None = None, json_body: Any = None) -> list[OpResult]:
     """health, reset_prefix_cache, pause, resume, sleep, wake_up, is_paused ... on every replica."""
     method, path = ROUTES[kind]
@@ -192,11 +192,11 @@ async def detect_server(client, url: str) -> str:
 
 
 def run(coro_fn, deadline_s: float | None = None, **client_kw):
-    """Run `coro_fn(client)` with a fresh AdminClient on a fresh event loop (for sync callers). With deadline_s,
+    """Run `coro_fn(client)` with a fresh OpsClient on a fresh event loop (for sync callers). With deadline_s,
     the whole run is cancelled at that total deadline (a weight update's `finally` still sends its resume) and
     TimeoutError raised."""
     async def main():
-        async with AdminClient(**client_kw) as client:
+        async with OpsClient(**client_kw) as client:
             return await coro_fn(client)
 
     async def bounded():

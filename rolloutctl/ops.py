@@ -1,9 +1,9 @@
-"""Admin operations on model servers and weight versions, over the REST API.
+"""Model-server operations ("ops") and weight versions, over the REST API.
 
     rolloutctl endpoint-op ENDPOINT_ID health|prewarm|reset_prefix_cache|pause|resume|sleep|wake_up
                            [--mode keep|wait|abort] [--level 1|2] [--count N]
     rolloutctl update-weights ENDPOINT_ID (--path DIR | --checkpoint-id ID) [--weight-version N]
-    rolloutctl admin-stats ENDPOINT_ID            p50/p95/p99 of queue/rpc/wall per operation kind
+    rolloutctl ops-stats ENDPOINT_ID              p50/p95/p99 of queue/rpc/wall per operation kind
     rolloutctl weight-versions JOB_ID             rollouts per weight version and their lag
 
 Operations run in a worker: the POST asks the API to answer when the action ends (`?wait=`, up to 60 s at a
@@ -11,6 +11,8 @@ time); an action still unfinished then is polled (every --poll-interval seconds,
 until it has finished; its report, with its trace id (--trace-id: yours, sent on to the model servers), is
 printed as JSON. An operation that failed on a replica exits 5; one still unfinished after
 --wait exits 4 (it keeps running; `rolloutctl` prints its URL).
+
+`admin-stats`, the old name of `ops-stats`, still works (hidden from --help; a deprecation note on stderr).
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ import time
 
 from . import EXIT_API, EXIT_OK, EXIT_TIMEOUT
 
-COMMANDS = ("endpoint-op", "update-weights", "admin-stats", "weight-versions")
+COMMANDS = ("endpoint-op", "update-weights", "ops-stats", "weight-versions", "admin-stats")
+HIDDEN = {"admin-stats": "ops-stats"}  # deprecated name -> its successor; parsed, not listed in --help
 OPS = ("health", "prewarm", "reset_prefix_cache", "pause", "resume", "sleep", "wake_up")
 
 
 def add_parsers(sub, add_connection) -> None:
-    p = sub.add_parser("endpoint-op", help="run an admin operation on every replica of an endpoint")
+    p = sub.add_parser("endpoint-op", help="run an operation on every replica of an endpoint")
     add_connection(p)
     p.add_argument("endpoint", type=int)
     p.add_argument("operation", choices=OPS)
@@ -43,13 +46,21 @@ def add_parsers(sub, add_connection) -> None:
     p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep")
     _add_wait(p)
 
-    p = sub.add_parser("admin-stats", help="timings of an endpoint's admin operations (p50/p95/p99)")
-    add_connection(p)
-    p.add_argument("endpoint", type=int)
+    for name in ("ops-stats", *HIDDEN):
+        kw = {"help": "timings of an endpoint's operations (p50/p95/p99)"} if name not in HIDDEN else {}
+        p = sub.add_parser(name, **kw)
+        add_connection(p)
+        p.add_argument("endpoint", type=int)
 
     p = sub.add_parser("weight-versions", help="a job's rollouts per weight version and their version lag")
     add_connection(p)
     p.add_argument("job", type=int)
+
+
+def hide_deprecated(sub, parser):
+    """Leave the deprecated names (HIDDEN: still parsed) out of the subcommand list in usage and --help."""
+    sub.metavar = "{" + ",".join(c for c in sub.choices if c not in HIDDEN) + "}"
+    return parser
 
 
 def _add_wait(p) -> None:
@@ -63,7 +74,7 @@ FINISHED = ("succeeded", "failed")
 
 
 def wait_for_action(client, action: dict, *, wait_s: float, poll_s: float) -> dict:
-    """Poll a queued admin action until it has finished or `wait_s` has passed; returns its latest state."""
+    """Poll a queued ops action until it has finished or `wait_s` has passed; returns its latest state."""
     deadline = time.monotonic() + wait_s
     while action.get("state") not in FINISHED and time.monotonic() < deadline:
         time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
@@ -120,7 +131,9 @@ def run(client, args) -> int:
         if args.weight_version is not None:
             body["version"] = args.weight_version
         return _finish(client, args, _post_action(client, args, f"endpoints/{args.endpoint}/weights/", body))
-    if args.command == "admin-stats":
+    if args.command in HIDDEN:
+        print(f"rolloutctl: '{args.command}' is deprecated; use '{HIDDEN[args.command]}'", file=sys.stderr)
+    if args.command in ("ops-stats", *HIDDEN):
         _print(client.get_json(f"endpoints/{args.endpoint}/ops/stats/"))
         return EXIT_OK
     if args.command == "weight-versions":

@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
-"""Admin operations under streaming load: the dedicated admin client vs the shared rollout session.
+"""Model-server operations under streaming load: the dedicated ops client vs the shared rollout session.
 
-    .venv/bin/python -m bench.bench_admin --streams 150,4096 [--seconds 30] [--shared-limit N]
+    .venv/bin/python -m bench.bench_ops --streams 150,4096 [--seconds 30] [--shared-limit N]
 
 For each stream count N: starts the simulator (slow streams: --ttft-ms/--itl-ms, long outputs) and a
 load process that keeps N streaming chat completions open through ONE aiohttp session (connector limit
 = --shared-limit, by default N, as the engine sizes its pool to the parallelism). Every second, in the
 same run:
 
-* the load process sends an admin operation through that shared session (how admin calls went out when
+* the load process sends an operation through that shared session (how ops calls went out when
   they borrowed the rollout client), and
-* this process sends the same operation through `workers.admin.AdminClient` (own connector, a fresh
+* this process sends the same operation through `workers.ops.OpsClient` (own connector, a fresh
   connection per operation), half a second later.
 
 Operations alternate between `update_weights` (a 20 ms simulated reload) and `health`. Each records
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import table_lines  # noqa: E402
 from bench.simulator_process import start_simulator_process  # noqa: E402
 
-from workers.admin import AdminClient, new_trace_id, parse_server_timing  # noqa: E402
+from workers.ops import OpsClient, new_trace_id, parse_server_timing  # noqa: E402
 from workers.engine.aggregate import quantile  # noqa: E402
 
 OPS = [("update_weights", "POST", "/update_weights", {"duration_ms": 20}), ("health", "GET", "/health", None)]
@@ -72,7 +72,7 @@ async def _headers_sent(session, ctx, params):
 
 
 async def timed_call(session: aiohttp.ClientSession, url: str, op, timeout_s: float) -> dict:
-    """One admin request through a given session, timed like AdminClient does it."""
+    """One ops request through a given session, timed like OpsClient does it."""
     kind, method, path, body = op
     trace = new_trace_id()
     mark: dict = {}
@@ -157,7 +157,7 @@ async def dedicated_main(url: str, seconds: float, op_timeout: float, load_proc,
                          control_url: str | None = None) -> tuple[list[dict], list[dict]]:
     """The dedicated client's ops on the loaded server and, at the same moment, on the idle control server."""
     samples, control = [], []
-    async with AdminClient(timeouts={k: op_timeout for k, *_ in OPS}, max_retries=0) as client:
+    async with OpsClient(timeouts={k: op_timeout for k, *_ in OPS}, max_retries=0) as client:
         await asyncio.sleep(0.5)
         t_end = time.monotonic() + seconds
         i = 0
@@ -205,7 +205,7 @@ def run_level(args, streams: int) -> dict:
     renice(control_sim.pid, args.nice)
     limit = args.shared_limit or streams
     try:
-        load = subprocess.Popen([sys.executable, "-m", "bench.bench_admin", "--role", "load", "--url", url,
+        load = subprocess.Popen([sys.executable, "-m", "bench.bench_ops", "--role", "load", "--url", url,
                                  "--streams", str(streams), "--shared-limit", str(limit), "--warmup", str(args.warmup),
                                  "--seconds", str(args.seconds), "--op-timeout", str(args.op_timeout)],
                                 cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -254,7 +254,7 @@ def table(results: list[dict]) -> str:
                      f"the same moments (the streams' own share: {fmt(max(0.0, d - c))} ms); load average "
                      f"{' '.join(f'{x:.1f}' for x in r['loadavg'])}")
         lines.append(f"{r['streams']:,} streams: shared/dedicated queue_ms p99 = {s / d if d else float('nan'):.1f}x; "
-                     f"streams open when admin ops went out: min {min(opened, default=0):,}, max {max(opened, default=0):,}; "
+                     f"streams open when ops went out: min {min(opened, default=0):,}, max {max(opened, default=0):,}; "
                      f"streams completed {r['streams_done']:,}, stream errors {r['stream_errors']:,}")
     return "\n".join(lines)
 
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--itl-ms", type=float, default=400.0)
     p.add_argument("--tokens", type=int, default=25, help="output tokens per stream")
     p.add_argument("--max-num-seqs", type=int, default=256, help="simulator capacity; the rest of the streams wait in its queue")
-    p.add_argument("--op-timeout", type=float, default=60.0, help="timeout per admin op on both paths")
+    p.add_argument("--op-timeout", type=float, default=60.0, help="timeout per op on both paths")
     p.add_argument("--nice", type=int, default=0, help="run the servers, the load and this process at this nice "
                    "level (e.g. -10: the machine's other load cannot delay them; isolates the product's own cost)")
     p.add_argument("--json", help="write the results (with raw samples) here")
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     for n in levels:
         print(f"... {n} streams ({args.seconds:g} s, warm-up {args.warmup:g} s)", file=sys.stderr, flush=True)
         results.append(run_level(args, n))
-    print(f"admin ops under streaming load (simulator ttft {args.ttft_ms:g} ms, itl {args.itl_ms:g} ms, "
+    print(f"ops under streaming load (simulator ttft {args.ttft_ms:g} ms, itl {args.itl_ms:g} ms, "
           f"{args.tokens} tokens/stream, max_num_seqs {args.max_num_seqs}); ms")
     print(table(results))
     if args.json:
