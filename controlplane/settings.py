@@ -199,7 +199,7 @@ JOBS_ENDPOINT_QUEUES = env.dict("JOBS_ENDPOINT_QUEUES", default={})
 # are the operator's too. Names Celery/kombu keep for themselves (unacked, *.pidbox, _kombu...) never are
 # (controlplane.operator refuses them here at startup, at every way in, and again at dispatch).
 JOBS_WORKER_QUEUES = env.list("JOBS_WORKER_QUEUES", default=[])
-# The control lane (controlplane/lanes.py): admin actions, weight updates, health, pre-warm, the watchdog and every
+# The control lane (controlplane/lanes.py): ops actions, weight updates, health, pre-warm, the watchdog and every
 # beat task, finalization go to this queue, served by a worker of its own that never holds a chunk ("": off,
 # every task on the default queue). Reserved: no endpoint may route chunks to it.
 CELERY_CONTROL_QUEUE = env("CELERY_CONTROL_QUEUE", default="control")
@@ -292,15 +292,18 @@ JOBS_FLUSH_ROWS = env.int("JOBS_FLUSH_ROWS", default=500)
 JOBS_FLUSH_INTERVAL_S = env.float("JOBS_FLUSH_INTERVAL_S", default=0.5)
 # Progress messages to the Channels layer, per job and worker, at most this many per second.
 JOBS_PROGRESS_MAX_PER_S = env.float("JOBS_PROGRESS_MAX_PER_S", default=4.0)
-# The dashboard warns when an admin operation (pause, weight update...) waited longer than this on the
+# Model-server operations ("ops"; until they were renamed these three were ADMIN_QUEUE_ALERT_MS,
+# ADMIN_ACTION_DEADLINE_S and ADMIN_ACTION_RESEND_MAX_AGE_S: the old variable names are still read, deprecated).
+# The dashboard warns when an operation (pause, weight update...) waited longer than this on the
 # client side (queue_ms = wall_ms - rpc_ms).
-ADMIN_QUEUE_ALERT_MS = env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0)
+OPS_QUEUE_ALERT_MS = env.float("OPS_QUEUE_ALERT_MS", default=env.float("ADMIN_QUEUE_ALERT_MS", default=1000.0))
 # Total deadlines of the endpoint tasks (Celery's time limits are not enforced under -P threads): a health check
-# or pre-warm, and an admin action (its replicas are still told to resume when it is cut).
+# or pre-warm, and an ops action (its replicas are still told to resume when it is cut).
 ENDPOINT_TASK_DEADLINE_S = env.float("ENDPOINT_TASK_DEADLINE_S", default=120.0)
-ADMIN_ACTION_DEADLINE_S = env.float("ADMIN_ACTION_DEADLINE_S", default=1800.0)
-# Redis back without its data: queued admin actions younger than this are sent again, older ones failed
-ADMIN_ACTION_RESEND_MAX_AGE_S = env.float("ADMIN_ACTION_RESEND_MAX_AGE_S", default=300.0)
+OPS_ACTION_DEADLINE_S = env.float("OPS_ACTION_DEADLINE_S", default=env.float("ADMIN_ACTION_DEADLINE_S", default=1800.0))
+# Redis back without its data: queued ops actions younger than this are sent again, older ones failed
+OPS_ACTION_RESEND_MAX_AGE_S = env.float("OPS_ACTION_RESEND_MAX_AGE_S",
+                                        default=env.float("ADMIN_ACTION_RESEND_MAX_AGE_S", default=300.0))
 
 # --- Operator limits (controlplane.limits: one check for the dashboard, API, admin and CLI) ------
 # Where the workers and the web process may call out (workers.outbound, built in controlplane/outbound.py): model

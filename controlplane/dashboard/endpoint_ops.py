@@ -1,5 +1,5 @@
 """The endpoint page: model-server operations (buttons), their timings per kind (p50/p95/p99 of queue, rpc,
-wall), an alert when an operation queued longer than ADMIN_QUEUE_ALERT_MS on the client side, the
+wall), an alert when an operation queued longer than OPS_QUEUE_ALERT_MS on the client side, the
 weight-version history and the operation log, searchable by trace id. Thin: logic in
 controlplane.endpoints.ops."""
 from __future__ import annotations

@@ -21,7 +21,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane import disclosure, lanes
-from controlplane.telemetry import record_admin_action
+from controlplane.telemetry import record_ops_action
 from workers.ops import replicas
 from workers.ops.client import OpResult, new_trace_id
 from workers.engine.aggregate import quantile
@@ -74,7 +74,7 @@ def check_trace_id(value) -> str | None:
 
 
 def queue_alert_ms() -> float:
-    return float(getattr(settings, "ADMIN_QUEUE_ALERT_MS", 1000.0))
+    return float(getattr(settings, "OPS_QUEUE_ALERT_MS", 1000.0))
 
 
 def _client_kw(endpoint) -> dict:
@@ -308,11 +308,11 @@ def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> Adm
 def recover_lost_actions(max_age_s: float | None = None, now=None) -> dict:
     """The broker came back without its data (services.broker_lost_its_data): the queued actions' messages are
     gone. A recent one is sent again (`execute` claims it atomically, so a message that did survive runs it
-    once); one older than `max_age_s` (setting ADMIN_ACTION_RESEND_MAX_AGE_S) is failed with the reason
+    once); one older than `max_age_s` (setting OPS_ACTION_RESEND_MAX_AGE_S) is failed with the reason
     instead: a weight update or pause asked for long ago may no longer be wanted, so it is for a person to ask
     again. Returns {"resent": [ids], "expired": [ids]}."""
     if max_age_s is None:
-        max_age_s = settings.ADMIN_ACTION_RESEND_MAX_AGE_S
+        max_age_s = settings.OPS_ACTION_RESEND_MAX_AGE_S
     now = now or timezone.now()
     queued = AdminAction.objects.filter(state=AdminAction.State.QUEUED)
     cutoff = now - timedelta(seconds=max_age_s)
@@ -360,7 +360,7 @@ def execute(action_id: int) -> str | None:
         return None
     action = AdminAction.objects.select_related("endpoint", "requested_by").get(pk=action_id)
     p, kw = action.params, {"user": action.requested_by, "source": action.source, "trace_id": action.trace_id,
-                            "deadline_s": settings.ADMIN_ACTION_DEADLINE_S}  # Celery's limits: not under threads
+                            "deadline_s": settings.OPS_ACTION_DEADLINE_S}  # Celery's limits: not under threads
     result, error = None, ""
     try:
         # checked again here: another user may have registered the same server since it was queued
@@ -378,7 +378,7 @@ def execute(action_id: int) -> str | None:
     except (OpsError, SharedServerDenied) as exc:  # the endpoint changed since it was queued
         error = str(exc)
     except TimeoutError as exc:  # replicas.run's total deadline: the replicas were told to resume
-        error = f"{action.kind} {exc} (ADMIN_ACTION_DEADLINE_S); check the replicas"
+        error = f"{action.kind} {exc} (OPS_ACTION_DEADLINE_S); check the replicas"
     except Exception as exc:  # noqa: BLE001 - recorded on the row; the worker lives on
         error = f"{type(exc).__name__}: {exc}"
     state = AdminAction.State.SUCCEEDED if action_ok(action.kind, result) else AdminAction.State.FAILED
@@ -386,7 +386,7 @@ def execute(action_id: int) -> str | None:
     total_ms = _ms(action.created_at, finished)
     AdminAction.objects.filter(pk=action_id).update(state=state, result=result, error=error[:2000],
                                                     finished_at=finished, total_ms=total_ms)
-    record_admin_action(action.kind, action.dispatch_ms, total_ms)
+    record_ops_action(action.kind, action.dispatch_ms, total_ms)
     slow = total_ms > queue_alert_ms()
     if slow:
         from controlplane import notices
@@ -413,12 +413,12 @@ def waits_for_earlier_update(action_id: int) -> bool:
     """Weight updates of one endpoint run one at a time, in the order they were asked for: whether this one (a
     queued weight update) must wait because an update of the same endpoint asked before it is queued or running.
     The earliest unfinished one never waits, so the line always moves. An update asked longer than
-    ADMIN_ACTION_DEADLINE_S ago waits no more (an earlier one that never ran was lost); its version is still
+    OPS_ACTION_DEADLINE_S ago waits no more (an earlier one that never ran was lost); its version is still
     checked (never backwards)."""
     row = AdminAction.objects.filter(pk=action_id).values("endpoint_id", "kind", "state", "created_at").first()
     if not row or row["kind"] != "update_weights" or row["state"] != AdminAction.State.QUEUED:
         return False
-    if (timezone.now() - row["created_at"]).total_seconds() > settings.ADMIN_ACTION_DEADLINE_S:
+    if (timezone.now() - row["created_at"]).total_seconds() > settings.OPS_ACTION_DEADLINE_S:
         return False
     return AdminAction.objects.filter(endpoint_id=row["endpoint_id"], kind="update_weights", pk__lt=action_id,
                                       state__in=[AdminAction.State.QUEUED, AdminAction.State.RUNNING]).exists()
@@ -427,7 +427,7 @@ def waits_for_earlier_update(action_id: int) -> bool:
 def _wait_for_earlier_updates(action_id: int) -> None:
     """In-process callers (eager tasks, commands): wait here. The Celery task does not hold a control slot while
     it waits: it sends itself again (tasks.run_admin_action_task)."""
-    deadline = time.monotonic() + settings.ADMIN_ACTION_DEADLINE_S
+    deadline = time.monotonic() + settings.OPS_ACTION_DEADLINE_S
     while waits_for_earlier_update(action_id) and time.monotonic() < deadline:
         time.sleep(ORDER_POLL_S)
 

@@ -48,7 +48,7 @@ def prewarm_task(endpoint_id: int, n: int = 4) -> bool:
 
 
 # A weight update waits on its own per-request timeouts (pause 120 s, update 600 s, resume 30 s) with bounded
-# retries; the whole action stops at ADMIN_ACTION_DEADLINE_S (recorded failed; a resume is still sent).
+# retries; the whole action stops at OPS_ACTION_DEADLINE_S (recorded failed; a resume is still sent).
 # The name keeps "admin" on purpose: it is the task's registered name, carried by messages already in the broker
 # (and by a resend after Redis lost its data); renaming it would leave those unregistered across a deploy.
 @shared_task(bind=True, ignore_result=True)

@@ -221,7 +221,7 @@ def test_a_control_action_over_its_threshold_is_sent(api, user, receiver, local_
                                                       django_capture_on_commit_callbacks):
     from controlplane.endpoints import ops
 
-    settings.ADMIN_QUEUE_ALERT_MS = 0.0  # every action is over it
+    settings.OPS_QUEUE_ALERT_MS = 0.0  # every action is over it
     rcv = receiver()
     ep = make_endpoint(user)  # a dead model server: the health check fails fast
     _hook(api, rcv.url, endpoint=ep.pk, events=["control.slow"])

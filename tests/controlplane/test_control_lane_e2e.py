@@ -135,7 +135,7 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     from controlplane.monitoring.metrics import registry_for_scrape
 
     text = generate_latest(registry_for_scrape()).decode()
-    assert 'controlplane_admin_action_seconds_count{kind="update_weights",phase="total"}' in text
-    assert 'controlplane_admin_action_seconds_count{kind="update_weights",phase="dispatch"}' in text
+    assert 'controlplane_ops_action_seconds_count{kind="update_weights",phase="total"}' in text
+    assert 'controlplane_ops_action_seconds_count{kind="update_weights",phase="dispatch"}' in text
     for job in jobs:
         services.cancel_job(job)

@@ -3,7 +3,10 @@ versions of a job's rollouts."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -279,7 +282,7 @@ def test_endpoint_page_buttons_log_search_percentiles_and_queue_alert(client, us
                                   status="ok", wall_ms=8600, rpc_ms=20, queue_ms=8580, created_at=timezone.now())
     page = client.get(f"/endpoints/{ep.pk}/").content.decode()
     assert 'id="queue-alert"' in page and "8580 ms" in page
-    settings.ADMIN_QUEUE_ALERT_MS = 10_000
+    settings.OPS_QUEUE_ALERT_MS = 10_000
     assert 'id="queue-alert"' not in client.get(f"/endpoints/{ep.pk}/").content.decode()
     # search by trace id narrows the log to that operation
     page = client.get(f"/endpoints/{ep.pk}/", {"trace": "slowtrace"}).content.decode()
@@ -385,3 +388,13 @@ def test_old_admin_routes_are_deprecated_aliases_of_the_ops_routes(api, user, si
     assert schema["/api/endpoints/{id}/admin/{kind}/"]["post"].get("deprecated") is True
     assert "deprecated" not in schema["/api/endpoints/{id}/ops/stats/"]["get"]
     assert "deprecated" not in schema["/api/endpoints/{id}/ops/{kind}/"]["post"]
+
+
+def test_the_old_admin_setting_names_are_still_read():
+    """OPS_* settings were ADMIN_*: an operator's old variable still counts, the new one wins when both are set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPS_", "ADMIN_"))}
+    env.update(ADMIN_QUEUE_ALERT_MS="5", ADMIN_ACTION_DEADLINE_S="9", OPS_ACTION_DEADLINE_S="7")
+    code = "from controlplane import settings as s; print(s.OPS_QUEUE_ALERT_MS, s.OPS_ACTION_DEADLINE_S, " \
+           "s.OPS_ACTION_RESEND_MAX_AGE_S)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["5.0", "7.0", "300.0"]

@@ -34,7 +34,7 @@ def test_every_task_ends_at_its_deadline_and_frees_the_worker(simulator, tmp_pat
     mallory = make_user("mallory")
     queue = f"deadline-{uuid.uuid4().hex[:10]}"
     worker = Worker(queue, tmp_path, concurrency=2, ENDPOINT_TASK_DEADLINE_S=3, JOBS_CHUNK_DEADLINE_S=4,
-                    ADMIN_ACTION_DEADLINE_S=3, DIAGNOSTICS_SWEEP_DEADLINE_S=3)
+                    OPS_ACTION_DEADLINE_S=3, DIAGNOSTICS_SWEEP_DEADLINE_S=3)
     try:
         ep_trickle = make_endpoint(mallory, trickle.url, name="trickle", request_timeout_s=600)
         ep_hang = make_endpoint(mallory, hang.url, name="hang", request_timeout_s=600, connect_timeout_s=5,
