@@ -105,6 +105,56 @@ def drain(client, token, job_id, consumer, batch, fields: str = "", total: int =
     return {"rows": n, "batches": batches, "wall_s": wall, "rss_growth": sampler.stop(), "rss_at": marks}
 
 
+def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
+    """The export and the stream read in turns, in one process: per round `batch` export lines (decoded), one
+    stream batch (decoded), one `fields=` batch when given, the arms' order rotated each round, until every
+    arm has read every row. A shared machine's load comes and goes in seconds; in turns it slows every arm
+    alike, so the ratios hold where back-to-back runs differ by 2x. Seconds and rows per arm."""
+    import json
+
+    auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
+    resp = client.get(f"/api/jobs/{job_id}/export/?which=ok", **auth)
+    chunks, rest = iter(resp.streaming_content), [b""]
+
+    def export_step() -> int:
+        n = 0
+        while n < batch:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return n
+            lines = (rest[0] + chunk).split(b"\n")
+            rest[0] = lines.pop()
+            for line in lines:
+                json.loads(line)
+                n += 1
+        return n
+
+    tokens: dict[str, str] = {}
+
+    def stream_step(arm: str) -> int:
+        params = {"consumer": "turns-lean" if arm == "fields=" else "turns", "max": batch, **({"fields": fields} if arm == "fields=" else {})}
+        if tokens.get(arm):
+            params["ack"] = tokens[arm]
+        body = decode_batch(client.get(f"/api/jobs/{job_id}/stream/", params, **auth).content)
+        tokens[arm] = body["token"]
+        return body["count"]
+
+    arms = ["export", "stream", *(["fields="] if fields else [])]
+    out = {a: {"s": 0.0, "rows": 0} for a in arms}
+    for k in range(10**9):
+        got = 0
+        for a in arms[k % len(arms):] + arms[:k % len(arms)]:
+            t0 = time.perf_counter()
+            n = export_step() if a == "export" else stream_step(a)
+            out[a]["s"] += time.perf_counter() - t0
+            out[a]["rows"] += n
+            got += n
+        if not got:
+            break
+    resp.close()
+    return out
+
+
 def fill_fast(job, n: int, template: int = 2000) -> float:
     """fill_job for large sizes: `template` rows as bench_export writes them, then the rest copied from them by
     the database (INSERT ... SELECT, task i from template row i % template, its `_ng_task_index` set to i): the
@@ -208,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--flush-s", type=float, default=0.2, help="the writer's batch interval (the sink's flush)")
     ap.add_argument("--fill-fast-over", type=int, default=200_000,
                     help="sizes above this are filled by the database from 2,000 written rows (fill_fast)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="also read the export and the stream in turns (batch by batch, one process): their ratio "
+                         "on a shared, noisy machine")
     ap.add_argument("--fields", default="id,task_index,rollout_index,reward,weight_version,data",
                     help="a third arm: the stream with ?fields=these (comma-separated); '' to leave it out")
     args = ap.parse_args(argv)
@@ -230,7 +283,9 @@ def main(argv=None):
             st = drain(client, token, job.pk, "drain", args.batch, total=n)
             lean = drain(client, token, job.pk, "drain-lean", args.batch, args.fields, n) if args.fields else None
             assert exp["lines"] == n and st["rows"] == n and (lean is None or lean["rows"] == n), (exp["lines"], st["rows"])
-            results.append((n, exp, st, lean))
+            turns = interleaved(client, token, job.pk, args.batch, args.fields) if args.interleave else None
+            assert turns is None or all(t["rows"] == n for t in turns.values()), turns
+            results.append((n, exp, st, lean, turns))
             print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s"
                   + (f", stream fields= {n / lean['wall_s']:,.0f} rows/s" if lean else ""), file=sys.stderr, flush=True)
 
@@ -242,7 +297,7 @@ def main(argv=None):
         print(f"{'rollouts':>9} {'export rows/s':>14} {'stream rows/s':>14} {'stream/export':>14} "
               f"{'export RSS MiB':>15} {'stream RSS MiB':>15}"
               + (f" {'fields= rows/s':>15} {'fields=/export':>15} {'fields= RSS MiB':>16}" if args.fields else ""))
-        for n, exp, st, lean in results:
+        for n, exp, st, lean, _ in results:
             print(f"{n:>9,} {n / exp['wall_s']:>14,.0f} {n / st['wall_s']:>14,.0f} "
                   f"{exp['wall_s'] / st['wall_s']:>14.2f} {exp['rss_growth'] / 2**20:>15.1f} "
                   f"{st['rss_growth'] / 2**20:>15.1f}"
@@ -250,8 +305,14 @@ def main(argv=None):
                      f"{lean['rss_growth'] / 2**20:>16.1f}" if lean else ""))
         if args.fields:
             print(f"fields= is ?fields={args.fields}")
+        if args.interleave:
+            print("\nIn turns (export lines, stream batch, fields= batch, batch by batch; order rotated each round):")
+            for n, _, _, _, turns in results:
+                ex = turns["export"]["s"]
+                print(f"  {n:>9,}: " + ", ".join(f"{a} {n / t['s']:,.0f} rows/s ({ex / t['s']:.2f})"
+                                                for a, t in turns.items()))
         print("\nRSS MiB of the process (server and client in one: the test client) at 10 % / 50 % / 100 % of rows read:")
-        for n, exp, st, lean in results:
+        for n, exp, st, lean, _ in results:
             for name, r in (("export", exp), ("stream", st), ("fields=", lean)):
                 if r is not None:
                     m = r["rss_at"]
