@@ -7,9 +7,11 @@ diagnosis's evidence):
 - running time: the job's wall time while it ran, pauses and queue waits excluded. Every chunk run writes a
   metric sample about once a second; the seconds covered by samples of runs with requests in flight are
   running time, a gap longer than GAP_S (no run of the job at work: paused, queued, cancelled, starting up)
-  is not. Runs that overlap (several chunks or workers at once) count once; runs one after another, or
-  before and after a resume, add up. (The same time the stored rows show: from the first request of a
-  stretch to its last row.)
+  is not. A stretch begins before its first sample by the time that sample's run had been at work (its
+  extra["busy_s"]: since the run's first request, or its first after an idle tick; however late the tick
+  came), never more than the silence before it. Runs that overlap (several chunks or workers at once)
+  count once; runs one after another, or before and after a resume, add up. (The same time the stored rows
+  show: from the first request of a stretch to its last row.)
 - average rate: rollouts stored / running time.
 - recent rate: rollouts stored in the last RATE_WINDOW_S / the running time inside that window (at least
   MIN_SPAN_S, so the first batch of a run, or the first after a resume, is no spike).
@@ -31,7 +33,7 @@ from .models import JobMetricSample, Rollout
 
 RATE_WINDOW_S = 10.0  # the recent rate's window
 GAP_S = 5.0  # no sample of any run at work for longer than this: the job was not running
-LEAD_IN_S = 0.5  # a stretch starts this long before its first sample (a run ticks once a second: half, on average)
+LEAD_IN_S = 0.5  # samples without busy_s (older workers): a stretch starts at most this long before its first
 MIN_SPAN_S = 3.0  # a recent rate is never divided by less (a run's first batch is not a spike)
 
 
@@ -53,19 +55,24 @@ def stored_counts_by_worker(job_id) -> dict[str, int]:
     return dict(Rollout.objects.filter(job_id=job_id).values_list("worker").annotate(n=Count("id")).order_by())
 
 
+def _lead_in(elapsed, busy, gap) -> float:
+    """The running seconds before a stretch's first sample: its run's busy_s (elapsed_s, at most LEAD_IN_S, for
+    a sample without it), no more than the silence `gap` before it (None: the job's first sample)."""
+    lead = busy if isinstance(busy, (int, float)) else min(elapsed or 0.0, LEAD_IN_S)
+    return min(max(lead, 0.0), gap if gap is not None else lead)
+
+
 def _span(stamps: list[tuple], lo=None, hi=None) -> float:
-    """Running seconds covered by samples [(t, elapsed_s)] sorted by t: gaps up to GAP_S count, and each
-    stretch starts with its first sample's run time before it (no more than the silence before it); clipped
-    to [lo, hi]."""
+    """Running seconds covered by samples [(t, elapsed_s, busy_s)] sorted by t: gaps up to GAP_S count, and each
+    stretch starts its _lead_in before its first sample; clipped to [lo, hi]."""
     total = 0.0
     prev = None
-    for t, elapsed in stamps:
+    for t, elapsed, busy in stamps:
         gap = (t - prev).total_seconds() if prev is not None else None
         if gap is not None and gap <= GAP_S:
             start = prev
         else:  # a run's first sample, or one after a long silence: what it ran before it, within the silence
-            start = t - timedelta(seconds=min(max(elapsed or 0.0, 0.0), gap if gap is not None else LEAD_IN_S,
-                                              LEAD_IN_S))
+            start = t - timedelta(seconds=_lead_in(elapsed, busy, gap))
         if lo is not None:
             start = max(start, lo)
         end = t if hi is None else min(t, hi)
@@ -75,21 +82,33 @@ def _span(stamps: list[tuple], lo=None, hi=None) -> float:
     return total
 
 
+def _stamps(qs) -> list[tuple]:
+    """[(t, elapsed_s, busy_s)] of the samples with requests in flight, by time (_span's input)."""
+    return list(qs.filter(in_flight__gt=0).order_by("t").values_list("t", "elapsed_s", "extra__busy_s"))
+
+
+# _lead_in in SQL: d, the gap before the sample (NULL: none); e, its elapsed_s; b, its extra's busy_s
+_SECONDS_SQL = (f"CASE WHEN d IS NOT NULL AND d <= {GAP_S} THEN d ELSE least(greatest(coalesce(b, least(coalesce(e, 0), "
+                f"{LEAD_IN_S})), 0), coalesce(d, 1e12)) END")
+# busy_s, read for a stretch's first sample only (the window's gap clause is spliced in)
+_BUSY_SQL = ("CASE WHEN {lag} IS NULL OR t - {lag} > interval '%s seconds' THEN "
+             "CASE WHEN jsonb_typeof(extra->'busy_s') = 'number' THEN (extra->>'busy_s')::float8 END END" % GAP_S)
+
+
 PREFIX_STEP_S = 300  # the running time before a cut this old is cached: older samples never change
 
 
 def _running_sql(job_id, lo, frm, to) -> tuple[int, float]:
     """(samples, running seconds) of the samples with frm < t <= to, each measured from the sample before
-    it (found among those after lo): up to GAP_S apart, the gap counts; else the run time before it (its
-    elapsed_s, no more than the gap)."""
+    it (found among those after lo): up to GAP_S apart, the gap counts; else its _lead_in."""
     table = JobMetricSample._meta.db_table
+    lag = "lag(t) OVER (ORDER BY t)"
     with connection.cursor() as cur:
         cur.execute(
-            f"SELECT count(*), coalesce(sum(CASE WHEN d IS NOT NULL AND d <= %s THEN d "
-            f"ELSE least(greatest(coalesce(e, 0), 0), coalesce(d, 1e12), %s) END), 0) FROM ("
-            f"  SELECT t, extract(epoch FROM t - lag(t) OVER (ORDER BY t)) AS d, elapsed_s AS e"
+            f"SELECT count(*), coalesce(sum({_SECONDS_SQL}), 0) FROM ("
+            f"  SELECT t, extract(epoch FROM t - {lag}) AS d, elapsed_s AS e, {_BUSY_SQL.format(lag=lag)} AS b"
             f"  FROM {table} WHERE job_id = %s AND t > %s AND in_flight > 0) s WHERE t > %s AND t <= %s",
-            [GAP_S, LEAD_IN_S, job_id, lo, frm, to])
+            [job_id, lo, frm, to])
         n, total = cur.fetchone()
     return int(n), float(total)
 
@@ -110,8 +129,7 @@ def running_seconds(job, now=None) -> float | None:
 
 def _sampled_seconds(job, now=None) -> float | None:
     if connection.vendor != "postgresql":
-        stamps = list(JobMetricSample.objects.filter(job_id=job.pk, in_flight__gt=0).order_by("t")
-                      .values_list("t", "elapsed_s"))
+        stamps = _stamps(JobMetricSample.objects.filter(job_id=job.pk))
         return _span(stamps) if stamps else None
     from datetime import datetime, timezone as tz
 
@@ -121,7 +139,7 @@ def _sampled_seconds(job, now=None) -> float | None:
     cut_epoch = int((now.timestamp() - 2 * GAP_S) // PREFIX_STEP_S * PREFIX_STEP_S)
     cut = datetime.fromtimestamp(cut_epoch, tz.utc)
     floor = datetime.fromtimestamp(0, tz.utc)
-    key = f"jobs:running_s:{job.pk}:{cut_epoch}"
+    key = f"jobs:running_s:2:{job.pk}:{cut_epoch}"  # 2: lead-ins from busy_s
     running = str(getattr(job, "state", "")) == "running"  # the hot path (every progress message of a run)
     prefix = cache.get(key) if running else None
     if prefix is None:
@@ -141,13 +159,13 @@ def running_seconds_many(jobs) -> dict[int, float]:
     if connection.vendor != "postgresql":
         return {j.pk: r for j in jobs if (r := running_seconds(j)) is not None}
     table = JobMetricSample._meta.db_table
+    lag = "lag(t) OVER (PARTITION BY job_id ORDER BY t)"
     with connection.cursor() as cur:
         cur.execute(
-            f"SELECT job_id, sum(CASE WHEN d IS NOT NULL AND d <= %s THEN d "
-            f"ELSE least(greatest(coalesce(e, 0), 0), coalesce(d, 1e12), %s) END) FROM ("
-            f"  SELECT job_id, extract(epoch FROM t - lag(t) OVER (PARTITION BY job_id ORDER BY t)) AS d, elapsed_s AS e"
+            f"SELECT job_id, sum({_SECONDS_SQL}) FROM ("
+            f"  SELECT job_id, t, extract(epoch FROM t - {lag}) AS d, elapsed_s AS e, {_BUSY_SQL.format(lag=lag)} AS b"
             f"  FROM {table} WHERE job_id = ANY(%s) AND in_flight > 0) s GROUP BY job_id",
-            [GAP_S, LEAD_IN_S, ids])
+            [ids])
         found = {jid: float(total) for jid, total in cur.fetchall()}
     now = timezone.now()
     for j in jobs:  # no samples: the wall time from start to end
@@ -195,8 +213,7 @@ def recent_rate_by_worker(job_id, now=None) -> dict[str, float]:
 def _recent_span(job_id, now) -> float:
     """Running seconds of the job inside the recent window ending at `now`."""
     since = now - timedelta(seconds=RATE_WINDOW_S)
-    stamps = list(JobMetricSample.objects.filter(job_id=job_id, t__gt=since - timedelta(seconds=GAP_S), t__lte=now,
-                                                 in_flight__gt=0).order_by("t").values_list("t", "elapsed_s"))
+    stamps = _stamps(JobMetricSample.objects.filter(job_id=job_id, t__gt=since - timedelta(seconds=GAP_S), t__lte=now))
     span = _span(stamps, lo=since, hi=now)
     if stamps and (now - stamps[-1][0]).total_seconds() <= GAP_S:
         span += (now - stamps[-1][0]).total_seconds()  # still running since its last sample

@@ -294,7 +294,7 @@ class DbSink:
         self._ensure_started()
         self.last_tick = tick
         try:
-            await self.db.acall(self._write_sample, tick)
+            await self.db.acall(self._write_sample, tick, time.monotonic())
             self._replicas_stored = self._replicas_stored or bool((tick.extra or {}).get("replicas"))
         except Exception:
             logger.exception("job %s: writing a metric sample failed", self.job_id)
@@ -427,13 +427,16 @@ class DbSink:
             row.pop("num_samples_in_parallel", None)
         return row
 
-    def _write_sample(self, tick: ProgressTick):
+    def _write_sample(self, tick: ProgressTick, ticked: float):
         now = timezone.now()
+        extra = tick.extra or {}
+        if "busy_s" in extra:  # the run was at work while the write waited its turn: t is now, not the tick's time
+            extra = {**extra, "busy_s": extra["busy_s"] + max(0.0, time.monotonic() - ticked)}
         JobMetricSample.objects.create(
             job_id=self.job_id, worker=self.series_name, t=now, elapsed_s=tick.elapsed_s,
             completed=max(0, tick.completed), failed=max(0, tick.failed), samples_per_s=tick.samples_per_s,
             output_tokens_per_s=tick.output_tokens_per_s, in_flight=max(0, tick.in_flight),
-            parallelism=max(0, tick.parallelism), errors=tick.errors or {}, extra=tick.extra or {},
+            parallelism=max(0, tick.parallelism), errors=tick.errors or {}, extra=extra,
         )
         if not self._heartbeat(now) and not self.lease_lost:
             self.lease_lost = True

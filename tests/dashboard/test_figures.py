@@ -171,3 +171,37 @@ def test_a_failed_job_sends_its_reason_live_as_each_user_may_read_it(alice):
     asyncio.run(deliver(staff))
     assert "secret banner" not in sent[0]["error_message"] and "connection refused" in sent[0]["error_message"]
     assert "secret banner" in sent[1]["error_message"]
+
+
+def _late_run(job, series, first_request, ticks, lead_s, *, busy=True):
+    """A run whose first request went out at `first_request` and whose first tick came `lead_s` later (a loaded
+    worker's late tick), then one a second, as the sink stores them (busy_s: none from an older worker)."""
+    for k in range(ticks):
+        JobMetricSample.objects.create(job=job, worker=series, t=first_request + TD(seconds=lead_s + k),
+                                       elapsed_s=0.3 + lead_s + k, completed=k, in_flight=8, parallelism=8,
+                                       extra={"busy_s": lead_s + k} if busy else {})
+
+
+@pytest.mark.parametrize("vendor", ["postgresql", "sqlite"])
+def test_a_late_first_tick_still_counts_the_run_from_its_first_request(alice, monkeypatch, vendor):
+    from datetime import datetime, timezone as tz
+    from types import SimpleNamespace
+
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the PostgreSQL path needs PostgreSQL (the SQLite one runs on either)")
+    if vendor == "sqlite":  # figures' Python path (SQLite's), on the same rows
+        monkeypatch.setattr(figures, "connection", SimpleNamespace(vendor=vendor))
+    job = _job(alice)
+    base = datetime.fromtimestamp(timezone.now().timestamp() // 300 * 300 - 600, tz.utc)  # a cached prefix's cut
+    at = lambda s: base + TD(seconds=s)  # noqa: E731
+    _late_run(job, "w chunk 0", at(-60), 11, 2.0)  # before the cut: first tick 2 s late, then 10 s: 12 s
+    _late_run(job, "w chunk 1", at(40), 6, 2.5)  # after a pause: 2.5 + 5 s
+    _late_run(job, "w chunk 2", at(45.5), 3, 8.0)  # at work 8 s, but the job's last sample was 6 s before: 6 + 2 s
+    _late_run(job, "w chunk 3", at(80), 3, 2.0, busy=False)  # no busy_s (older worker): half a tick, 0.5 + 2 s
+    for _ in range(2):  # computed, then with the part before the cut from the cache
+        assert figures.running_seconds(job, now=at(100)) == pytest.approx(30.0, abs=0.01)
+    assert figures.running_seconds_many([job])[job.pk] == pytest.approx(30.0, abs=0.01)  # History
+    # the recent window [45.5, 55.5]: chunk 1's last 2 s, then chunk 2 from the end of the silence: all 10 s
+    assert figures._recent_span(job.pk, at(55.5)) == pytest.approx(10.0, abs=0.01)

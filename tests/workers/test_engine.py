@@ -281,3 +281,19 @@ def test_cli_writes_nemo_gym_outputs(simulator, tmp_path):
     metrics = json.loads((tmp_path / "out_aggregate_metrics.json").read_text())
     assert metrics["num_rows"] == 8 and "mean/reward" in metrics and "pass@2" in metrics and metrics["mean/output_tokens"] == 20
     assert metrics["timing"]["wall_ms"]["count"] == 8
+
+
+async def test_a_tick_says_since_when_the_run_has_been_at_work():
+    from workers.engine.runner import CollectionRun
+
+    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=["http://127.0.0.1:9"], model="m"), parallelism=4)
+    run = CollectionRun(spec, ListSink(), None)
+    assert run.tick().extra["busy_s"] == 0  # nothing sent yet
+    run._slot_taken(time.monotonic() - 2.0)  # the first request, 2 s before a late first tick
+    run._slot_taken(time.monotonic() - 1.0)
+    assert run.tick().extra["busy_s"] == pytest.approx(2.0, abs=0.2)
+    assert run.tick().extra["busy_s"] == pytest.approx(2.0, abs=0.2)  # the same stretch, still at work
+    run.in_flight = 0  # everything came back: the next request begins a new stretch
+    run.tick()
+    run._slot_taken(time.monotonic() - 0.5)
+    assert run.tick().extra["busy_s"] == pytest.approx(0.5, abs=0.2)

@@ -149,6 +149,7 @@ class CollectionRun:
         self.n_workers = 0
         self.in_flight = 0
         self.max_in_flight_seen = 0
+        self.busy_since: float | None = None  # first request sent since the last tick that saw none in flight
         self.stopping = False
         self.stop_event = asyncio.Event()
         self.done_event = asyncio.Event()
@@ -313,9 +314,7 @@ class CollectionRun:
         result.queue_ms = (t_slot - t_enqueued) * 1000.0
         if self.tracer is not None:
             self._trace_rollout(result, t_slot - t_enqueued)
-        self.in_flight += 1
-        if self.in_flight > self.max_in_flight_seen:
-            self.max_in_flight_seen = self.in_flight
+        self._slot_taken(t_slot)
         try:
             response, unreachable = None, False
             if body is not None:
@@ -500,8 +499,19 @@ class CollectionRun:
                                 {"rollout.reward": result.reward})
         result.verify_ms = (time.monotonic() - t0) * 1000.0
 
+    def _slot_taken(self, t_slot: float) -> None:
+        """A request took its slot at t_slot (monotonic): one more in flight."""
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight_seen:
+            self.max_in_flight_seen = self.in_flight
+        if self.busy_since is None:
+            self.busy_since = t_slot
+
     # ---------------------------------------------------------------- progress and control
     def tick(self) -> ProgressTick:
+        """The run's progress now. extra["busy_s"]: seconds since the first request sent after the last tick
+        that saw none in flight (the run's first request, for its first busy tick): how long the run has been
+        at work before this tick, however late the tick comes."""
         now = time.monotonic()
         dt = max(1e-9, now - self.last_tick)
         tick = ProgressTick(
@@ -509,8 +519,11 @@ class CollectionRun:
             parallelism=self.target, samples_per_s=self.tick_ok / dt, output_tokens_per_s=self.tick_tokens / dt,
             errors=dict(self.tick_errors),
             extra={"finished_per_s": self.tick_finished / dt, "queued": self.queue.qsize(), "resident": self.resident.used,
-                   "max_in_flight": self.max_in_flight_seen, "interval_s": dt},
+                   "max_in_flight": self.max_in_flight_seen, "interval_s": dt,
+                   "busy_s": now - self.busy_since if self.busy_since is not None else 0.0},
         )
+        if self.in_flight == 0:
+            self.busy_since = None
         if self.vexec is not None:  # verification queue, busy slots, pool use and cache for the diagnosis
             tick.extra.update(self.vexec.stats())
             if self.batcher is not None:

@@ -197,8 +197,7 @@ class AgentRun(CollectionRun):
         result.queue_ms = (t_slot - t_enqueued) * 1000.0
         if self.tracer is not None:
             self._trace_rollout(result, t_slot - t_enqueued)
-        self.in_flight += 1
-        self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        self._slot_taken(t_slot)
         try:
             answer, unreachable = (await self._run_with_retries(agent, body, result)) if routable else (None, False)
             if answer is not None:
