@@ -48,7 +48,7 @@ class ProgressMessage(TypedDict):
     output_tokens_per_s: float
     eta_s: float | None  # None when unknown
     errors: dict[str, int]  # failure class -> count in the window
-    t: float  # unix seconds
+    t: float  # unix seconds: when its rates, running time and average rate were read
     stalled: bool
     stall_reason: str  # why, when stalled
     elapsed_s: float  # running time, pauses excluded
@@ -97,11 +97,12 @@ def live_figures(job_id: int, now=None) -> LiveFigures:
 
 
 def progress_payload(job, *, completed=None, failed=None, state=None, stalled=None, live: LiveFigures | None = None,
-                     parallelism=None, t=None, running_s=...) -> ProgressMessage:
+                     parallelism=None, t=None, running_s=..., stored_at_t=None) -> ProgressMessage:
     """THE progress message (live stream and page reload alike). Counts default to the job row's; live
     numbers come from `live` (live_figures: every chunk of the job summed), none when the job is not
     running. Parallelism: what the running chunks use together, else the job's effective value (override
-    included)."""
+    included). `t`: when `live` and `running_s` were read (default now); `stored_at_t`: the rows stored then,
+    the average rate's count when the counts passed are newer."""
     completed = job.completed_count if completed is None else completed
     failed = job.failed_count if failed is None else failed
     state = str(job.state if state is None else state)
@@ -134,7 +135,7 @@ def progress_payload(job, *, completed=None, failed=None, state=None, stalled=No
         stalled=bool(job.stalled if stalled is None else stalled),
         stall_reason=(getattr(job, "stall_reason", "") or "") if (job.stalled if stalled is None else stalled) else "",
         elapsed_s=running_s,
-        avg_samples_per_s=(done / running_s) if running_s else None,
+        avg_samples_per_s=((done if stored_at_t is None else stored_at_t) / running_s) if running_s else None,
         error_message=(getattr(job, "error_message", "") or "") if state == "failed" else "",
     )
 

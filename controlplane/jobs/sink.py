@@ -264,6 +264,7 @@ class DbSink:
         self.last_tick: ProgressTick | None = None
         self.live: LiveFigures | None = None  # the job's live figures, all chunks summed (events.live_figures)
         self.running_s: float | None = None  # the job's running time (figures.running_seconds), read with them
+        self.live_at: tuple[float, int] | None = None  # (unix time, rows stored) they were read at: the message's t
         self._job_stub = job  # for progress_payload's static fields
         self.versions = VersionTagger(job.endpoint_id, job.pk)  # weight versions for servers that report none
 
@@ -445,6 +446,7 @@ class DbSink:
         self.live = live_figures(self.job_id, now)  # every chunk of the job, not only this one
         self._job_stub.state = self.job_row.get("state", self._job_stub.state)
         self.running_s = figures.running_seconds(self._job_stub, now)
+        self.live_at = (now.timestamp(), self.job_row.get("completed_count", 0) + self.job_row.get("failed_count", 0))
 
     # -- progress messages ----------------------------------------------------------------------
     def payload(self) -> ProgressMessage:
@@ -456,10 +458,13 @@ class DbSink:
         if live is None and tick is not None:  # before the first sample is stored: this chunk's own figures
             # (no rate yet: rates come from stored rows, none of this run's is stored)
             live = LiveFigures(in_flight=tick.in_flight, parallelism=tick.parallelism, errors=dict(tick.errors or {}))
+        state = row.get("state", job.state)
+        # running: the rates and running time are of the moment they were read (up to a tick ago), not of now
+        t, stored = self.live_at if self.live is not None and self.live_at and str(state) == "running" else (None, None)
         return progress_payload(
             job, completed=row.get("completed_count", 0), failed=row.get("failed_count", 0),
-            state=row.get("state", job.state), stalled=row.get("stalled", False), live=live,
-            parallelism=row.get("parallelism"), running_s=self.running_s)
+            state=state, stalled=row.get("stalled", False), live=live,
+            parallelism=row.get("parallelism"), running_s=self.running_s, t=t, stored_at_t=stored)
 
     def _request_publish(self):
         """Coalesce: at most one message per min_publish_interval; the latest state always goes out."""

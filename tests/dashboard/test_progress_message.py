@@ -76,3 +76,30 @@ def test_the_shape_check_catches_a_wrong_message(alice):
                 {**good, "type": "job.other"}, {**good, "errors": {"http_429": "3"}}):
         with pytest.raises(AssertionError):
             assert_shape(bad)
+
+
+def test_a_sinks_message_is_dated_when_its_figures_were_read(django_user_model):
+    """A chunk's sink reads the job's figures when it stores a sample and publishes them up to a tick later:
+    the message's t is when they were read (its rate and running time are of that moment), and the sample
+    carries how long the run had been at work, the write's wait included."""
+    import time
+
+    from controlplane.jobs.models import JobChunk
+    from controlplane.jobs.sink import DbSink, DbThread
+    from workers.engine.types import ProgressTick
+
+    alice = django_user_model.objects.create_user(username="alice", password="alice-pw-123")
+    job = make_job(alice, make_dataset(alice, n=5), make_endpoint(alice), n_rollouts=0, state="running")
+    JobMetricSample.objects.filter(job=job).delete()
+    chunk = JobChunk.objects.create(job=job, index=0, start_row=0, end_row=5, state="running", lease_owner="w#1")
+    sink = DbSink(job=job, chunk=chunk, lease_owner="w#1", worker_name="w", db=DbThread())
+    tick = ProgressTick(elapsed_s=3.0, completed=0, failed=0, in_flight=4, parallelism=4, samples_per_s=0.0,
+                        output_tokens_per_s=0.0, extra={"busy_s": 2.0})
+    sink.last_tick = tick
+    sink._write_sample(tick, time.monotonic() - 0.5)  # the write waited half a second for the database
+    sample = JobMetricSample.objects.get(job=job)
+    assert 2.5 <= sample.extra["busy_s"] < 3.5
+    time.sleep(0.3)
+    msg = sink.payload()
+    assert msg["t"] == pytest.approx(sample.t.timestamp(), abs=0.05)  # not the publish time, 0.3 s later
+    assert msg["elapsed_s"] == pytest.approx(sample.extra["busy_s"], abs=0.05)  # the run's first request on
