@@ -2,8 +2,10 @@
 
 - `nemo_gym`: session scope. The built-in simulator as the policy model, and `ng_run` with
   math_with_judge (its `math_with_judge_simple_agent`), a second agent `math_second_agent` on the same
-  resources server, and the vllm_model model server, on a free head port. Skips, with the reason, only
-  where no Python >= 3.12 exists; builds .venv-nemo-gym first when it is missing (about 3 min).
+  resources server, and the vllm_model model server, on a free head port. math_with_judge verifies one answer at
+  a time with a long deadline (tests/data/nemo_gym_verifier.yaml): on a loaded machine its wall-clock limits
+  would otherwise score some right answers 0. Skips, with the reason, only where no Python >= 3.12 exists;
+  builds .venv-nemo-gym first when it is missing (about 3 min).
 
 - `nemo_gym_tools`: module scope. The same, plus a tool-calling agent (`weather_tool_agent`: simple_agent on
   example_single_tool_call, its model server `tool_policy_model` asking for token ids) from
@@ -31,6 +33,9 @@ SECOND_AGENT_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_second_agent.yaml
 AGENT = "math_with_judge_simple_agent"
 SECOND_AGENT = "math_second_agent"
 TOOL_AGENT_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_tool_agent.yaml"
+# math_with_judge verifying one answer at a time, with a long deadline: its wall-clock limits otherwise score a
+# right answer 0 (extracted_answer None) on a loaded machine
+VERIFIER_CONFIG = REPO_ROOT / "tests" / "data" / "nemo_gym_verifier.yaml"
 TOOL_AGENT = "weather_tool_agent"
 
 
@@ -52,7 +57,8 @@ class NemoGym:
     def env(self) -> dict:
         base = _script("python").stdout.strip()
         return {**os.environ, "NEMO_GYM_RUN_DIR": self.run_dir, "NEMO_GYM_HEAD_PORT": str(self.head_port),
-                "NEMO_GYM_MODEL": self.sim.model, "NEMO_GYM_EXTRA_CONFIGS": str(SECOND_AGENT_CONFIG),
+                "NEMO_GYM_MODEL": self.sim.model,
+                "NEMO_GYM_EXTRA_CONFIGS": f"{SECOND_AGENT_CONFIG},{VERIFIER_CONFIG}",
                 "UV_PYTHON_DOWNLOADS": "never",
                 "PATH": f"{self.venv_bin}:{Path(base).parent}:{os.environ.get('PATH', '')}", **self.extra_env}
 
@@ -111,6 +117,6 @@ def nemo_gym_tools():
     sim = start_simulator(ttft_ms=20, itl_ms=2, jitter=0, seed=0, math_accuracy=1.0)
     ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-tools-run-"))
     # the first start builds the tool agent's server venvs too (uv; a few minutes on a busy machine)
-    ng.extra_env = {"NEMO_GYM_EXTRA_CONFIGS": f"{SECOND_AGENT_CONFIG},{TOOL_AGENT_CONFIG}",
+    ng.extra_env = {"NEMO_GYM_EXTRA_CONFIGS": f"{SECOND_AGENT_CONFIG},{VERIFIER_CONFIG},{TOOL_AGENT_CONFIG}",
                     "NEMO_GYM_START_TIMEOUT": "1200"}
     yield from _serving(sim, ng)
