@@ -293,7 +293,7 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
 
     plog = logging.getLogger(__name__ + ".process")
     otlp = OTLPSpanExporter(endpoint=endpoint, headers=headers or None, timeout=10)
-    encode_span, encode = _encoder(Resource.create({"service.name": service_name}), "workers.engine")
+    encode_span, encode = _fast_encoder(Resource.create({"service.name": service_name}), "workers.engine")
     counts = {"exported": 0, "failed": 0}
     pending: list = []
     oldest = 0.0
@@ -342,9 +342,26 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
     otlp.shutdown()
 
 
+def _fast_encoder(resource, scope_name: str):
+    """(span tuple -> encoded Span, [encoded Span] -> serialized ExportTraceServiceRequest), by the hand-written
+    encoder of workers/otlp_encode.py: the bytes of `_encoder`'s, at a fraction of its CPU."""
+    from opentelemetry.exporter.otlp.proto.common._internal import _encode_resource
+    from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+
+    from workers.otlp_encode import SpanEncoder
+
+    enc = SpanEncoder(
+        _encode_resource(resource).SerializeToString(),
+        InstrumentationScope(name=scope_name).SerializeToString(),
+        ROLLOUT_ATTRS,
+    )
+    return enc.span, enc.request
+
+
 def _encoder(resource, scope_name: str):
     """(span tuple -> protobuf Span, [Span] -> serialized ExportTraceServiceRequest): what the SDK's encoder makes
-    of a ReadableSpan (the same fields, flags, kinds and status), without building SDK spans first."""
+    of a ReadableSpan (the same fields, flags, kinds and status), without building SDK spans first. The reference
+    of `_fast_encoder` (the tests compare their bytes)."""
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_resource, _encode_value
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
