@@ -65,11 +65,11 @@ def job_span_ids(job_key: str) -> tuple[str, str]:
 
 
 class _Span:
-    """A span being recorded: plain slots, turned into an SDK ReadableSpan only when its rollout ends."""
+    """The run's chunk span (one per run): plain slots."""
 
     __slots__ = ("name", "span_id", "start_ns", "end_ns", "attributes", "error", "kind")
 
-    def __init__(self, name: str, start_ns: int, attributes: dict[str, Any] | tuple, kind: int = 0):
+    def __init__(self, name: str, start_ns: int, attributes: dict[str, Any], kind: int = 0):
         self.name = name
         self.span_id = _span_id()
         self.start_ns = start_ns
@@ -79,17 +79,17 @@ class _Span:
         self.kind = kind
 
 
-class _Rollout:
-    __slots__ = ("trace_id", "root", "children")
-
-    def __init__(self, trace_id: int, root: _Span):
-        self.trace_id = trace_id
-        self.root = root
-        self.children: list[_Span] = []
+# A rollout being recorded is one list, [trace id, span id, start ns, task index, rollout index, child...]; a child
+# span (request, verify) is a list laid out as its finished tuple (SPAN_FIELDS), so that ending the rollout is one
+# tuple() per child: [name, trace id, span id, parent id, kind, start ns, end ns (0: open), attributes, error, ()].
+# Few objects per rollout, no Python-level constructor calls: the tracer's cost is a few dict and list operations.
+_END, _ATTRS, _ERROR = 6, 7, 8  # a child span's slots
+_time_ns = time.time_ns
+_getrandbits = random.getrandbits
 
 
 def _span_id() -> int:
-    return random.getrandbits(64) or 1
+    return _getrandbits(64) or 1
 
 
 def sampled(trace_id: str, ratio: float) -> bool:
@@ -121,9 +121,11 @@ class RunTracer:
             self._chunk_trace, self._chunk_parent = random.getrandbits(128) or 1, 0
         self.chunk = _Span("chunk", time.time_ns(), dict(config.attributes))
         self._chunk_link = ((self._chunk_trace, self.chunk.span_id),)
-        self._rollouts: dict[int, _Rollout] = {}  # id(RolloutResult) -> its spans, while it runs
+        self._rollouts: dict[int, list] = {}  # id(RolloutResult) -> its spans (see _END), while it runs
         self._batch: list[tuple] = []
         self._batch_t = time.monotonic()
+        # "spans": the span tuples are made, then dropped at once (holding a batch nobody reads only feeds the GC)
+        self._keep = self._exporter is not None
 
     # ------------------------------------------------------------------ rollout
     def rollout_start(self, result, waited_s: float = 0.0) -> None:
@@ -131,19 +133,22 @@ class RunTracer:
         result.trace_id. A rollout outside the sample ratio records nothing."""
         if self.ratio < 1.0 and not sampled(result.trace_id, self.ratio):
             return
-        root = _Span("rollout", time.time_ns() - int(waited_s * 1e9), (result.task_index, result.rollout_index))
-        self._rollouts[id(result)] = _Rollout(int(result.trace_id, 16), root)
+        self._rollouts[id(result)] = [
+            int(result.trace_id, 16),
+            _getrandbits(64) or 1,
+            _time_ns() - int(waited_s * 1e9),
+            result.task_index,
+            result.rollout_index,
+        ]
 
     def rollout_end(self, result, abandoned: bool = False) -> None:
         rec = self._rollouts.pop(id(result), None)
         if rec is None:
             return
-        root = rec.root
-        root.end_ns = time.time_ns()
         # a compact record: the values of ROLLOUT_ATTRS, named in the exporter process (no dict per rollout here)
-        root.attributes = (
-            result.task_index,
-            result.rollout_index,
+        attributes = (
+            rec[3],
+            rec[4],
             bool(result.ok),
             result.attempts,
             result.failure_class,
@@ -159,37 +164,24 @@ class RunTracer:
             result.wall_ms,
             True if abandoned else None,
         )
-        if not abandoned and not result.ok:
-            root.error = (result.error or result.failure_class)[:200]
-        self._finish(rec)
+        error = "" if abandoned or result.ok else (result.error or result.failure_class)[:200]
+        self._finish(rec, attributes, error)
 
-    def _finish(self, rec: _Rollout) -> None:
-        """The rollout's spans as tuples, into the batch for the exporter (sent every BATCH_ROLLOUTS or second)."""
-        root, trace_id = rec.root, rec.trace_id
-        batch = self._batch
-        batch.append(
-            (
-                root.name,
-                trace_id,
-                root.span_id,
-                0,
-                root.kind,
-                root.start_ns,
-                root.end_ns,
-                root.attributes,
-                root.error,
-                self._chunk_link,
-            )
-        )
-        for c in rec.children:
-            if not c.end_ns:
-                c.end_ns = root.end_ns
-                c.error = c.error or "unfinished"
-            batch.append(
-                (c.name, trace_id, c.span_id, root.span_id, c.kind, c.start_ns, c.end_ns, c.attributes, c.error, ())
-            )
-        if len(batch) >= BATCH_SPANS or time.monotonic() - self._batch_t >= 1.0:
-            self._send()
+    def _finish(self, rec: list, attributes: tuple, error: str) -> None:
+        """The rollout's spans as tuples (SPAN_FIELDS), into the batch for the exporter (sent every BATCH_SPANS
+        spans or second); dropped at once without an exporter."""
+        end_ns = _time_ns()
+        spans = [("rollout", rec[0], rec[1], 0, 0, rec[2], end_ns, attributes, error, self._chunk_link)]
+        for c in rec[5:]:
+            if not c[_END]:
+                c[_END] = end_ns
+                c[_ERROR] = c[_ERROR] or "unfinished"
+            spans.append(tuple(c))
+        if self._keep:
+            batch = self._batch
+            batch += spans
+            if len(batch) >= BATCH_SPANS or time.monotonic() - self._batch_t >= 1.0:
+                self._send()
 
     def _send(self) -> None:
         batch, self._batch, self._batch_t = self._batch, [], time.monotonic()
@@ -197,28 +189,41 @@ class RunTracer:
             self._exporter.send(batch)
 
     # ------------------------------------------------------------------ request / verify
-    def child(self, result, name: str, attributes: dict[str, Any] | None = None) -> _Span | None:
-        """A child span of the rollout's span (None when the rollout records none)."""
+    def child(self, result, name: str, attributes: dict[str, Any] | None = None) -> list | None:
+        """A child span of the rollout's span (None when the rollout records none): an opaque handle for
+        `traceparent` and `end`."""
         rec = self._rollouts.get(id(result))
         if rec is None:
             return None
-        span = _Span(name, time.time_ns(), attributes or {}, 2 if name == "request" else 0)
-        rec.children.append(span)
+        span = [
+            name,
+            rec[0],
+            _getrandbits(64) or 1,
+            rec[1],
+            2 if name == "request" else 0,
+            _time_ns(),
+            0,
+            attributes or {},
+            "",
+            (),
+        ]
+        rec.append(span)
         return span
 
-    def traceparent(self, result, span: _Span) -> str:
+    @staticmethod
+    def traceparent(result, span: list) -> str:
         """The `traceparent` header naming `span` as the parent of what the server does."""
-        return f"00-{result.trace_id}-{span.span_id:016x}-01"
+        return f"00-{result.trace_id}-{span[2]:016x}-01"
 
     @staticmethod
-    def end(span: _Span | None, error: str = "", attributes: dict[str, Any] | None = None) -> None:
-        if span is None or span.end_ns:
+    def end(span: list | None, error: str = "", attributes: dict[str, Any] | None = None) -> None:
+        if span is None or span[_END]:
             return
-        span.end_ns = time.time_ns()
+        span[_END] = _time_ns()
         if attributes:
-            span.attributes.update(attributes)
+            span[_ATTRS].update(attributes)
         if error:
-            span.error = error[:200]
+            span[_ERROR] = error[:200]
 
     # ------------------------------------------------------------------ the run
     def close(self, summary=None) -> None:
@@ -226,9 +231,7 @@ class RunTracer:
         for key in list(self._rollouts):
             rec = self._rollouts.pop(key, None)
             if rec is not None:
-                rec.root.attributes = (*rec.root.attributes[:2], *(None,) * 13, True)  # ROLLOUT_ATTRS' order
-                rec.root.end_ns = time.time_ns()
-                self._finish(rec)
+                self._finish(rec, (rec[3], rec[4], *(None,) * 13, True), "")  # ROLLOUT_ATTRS' order
         chunk = self.chunk
         if summary is not None:
             chunk.attributes.update(
