@@ -91,6 +91,24 @@ def _value(v: Any) -> bytes:
     return _ld(b"\x12", _other_value(v))
 
 
+class _Key:
+    """An attribute key's precomputed bytes: the whole Span.attributes field (tag 9) of a float, true or false value
+    is a constant prefix (+ 8 bytes) or a constant; that of a str or int value is cached (bounded)."""
+
+    __slots__ = ("kb", "float_prefix", "true", "false", "cache")
+
+    def __init__(self, key: str):
+        self.kb = _key(key)
+        self.float_prefix = b"\x4a" + varint(len(self.kb) + 11) + self.kb + b"\x12\x09\x21"
+        self.true = _ld(b"\x4a", self.kb + _TRUE)
+        self.false = _ld(b"\x4a", self.kb + _FALSE)
+        self.cache: dict[Any, bytes] = {}  # str or int value -> its field
+
+
+CACHED_VALUES = 256  # per key
+CACHED_STR_LEN = 256
+
+
 class SpanEncoder:
     """`span(t)` -> the bytes of one Span (tag and length included); `request(spans)` -> a serialized
     ExportTraceServiceRequest of those encoded spans under this resource and scope."""
@@ -99,21 +117,31 @@ class SpanEncoder:
         """`resource`, `scope`: the serialized Resource and InstrumentationScope messages."""
         self._head = _ld(b"\x0a", resource)  # ResourceSpans.resource
         self._scope = _ld(b"\x0a", scope)  # ScopeSpans.scope
-        self._keys: dict[str, bytes] = {}
-        self._tuple_keys = tuple(_key(k) for k in tuple_keys)
+        self._keys: dict[str, _Key] = {}
+        self._tuple_keys = tuple(_Key(k) for k in tuple_keys)
         self._names: dict[str, bytes] = {}
+        self._links: dict[tuple, bytes] = {}
+
+    def _link_bytes(self, links: tuple) -> bytes:
+        b = b"".join(
+            b"\x6a\x21\x0a\x10" + lt.to_bytes(16, "big") + b"\x12\x08" + ls.to_bytes(8, "big") + _LINK_FLAGS
+            for lt, ls in links
+        )
+        if len(self._links) < CACHED_VALUES:
+            self._links[links] = b
+        return b
 
     def span(self, t: tuple) -> bytes:
         name, trace_id, span_id, parent_id, kind, start_ns, end_ns, attributes, error, links = t
         head = self._names.get(name)
         if head is None:
-            head = self._names[name] = _ld(b"\x2a", name.encode())
-        parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
+            head = _ld(b"\x2a", name.encode())
+            if len(self._names) < CACHED_VALUES:
+                self._names[name] = head
+        ids = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
         if parent_id:
-            parts.append(b"\x22\x08")
-            parts.append(parent_id.to_bytes(8, "big"))
-        parts.append(head)
-        parts.append(_KIND.get(kind) or _KIND[0])
+            ids += b"\x22\x08" + parent_id.to_bytes(8, "big")
+        parts = [ids, head, _KIND.get(kind) or _KIND[0]]
         if start_ns:
             parts.append(b"\x39" + _pack_q(start_ns))
         if end_ns:
@@ -124,25 +152,42 @@ class SpanEncoder:
             keys = self._keys
             items = []
             for k, v in attributes.items():
-                kb = keys.get(k)
-                if kb is None:
-                    kb = keys[k] = _key(k)
-                items.append((kb, v))
-        for kb, v in items:
-            if v is None or v == "":
+                key = keys.get(k)
+                if key is None:
+                    key = _Key(k)
+                    if len(keys) < CACHED_VALUES:
+                        keys[k] = key
+                items.append((key, v))
+        append = parts.append
+        for key, v in items:
+            if v is None:
                 continue
-            kv = kb + _value(v)
-            parts.append(_ld(b"\x4a", kv))
-        for lt, ls in links:
-            parts.append(
-                b"\x6a\x21\x0a\x10" + lt.to_bytes(16, "big") + b"\x12\x08" + ls.to_bytes(8, "big") + _LINK_FLAGS
-            )
+            t = type(v)
+            if t is float:
+                append(key.float_prefix + _pack_d(v))
+            elif t is bool:
+                append(key.true if v else key.false)
+            elif t is str or t is int:
+                b = key.cache.get(v)
+                if b is None:
+                    if v == "":
+                        continue
+                    b = _ld(b"\x4a", key.kb + _value(v))
+                    if len(key.cache) < CACHED_VALUES and (t is int or len(v) <= CACHED_STR_LEN):
+                        key.cache[v] = b
+                append(b)
+            elif v != "":
+                append(_ld(b"\x4a", key.kb + _value(v)))
+        if links:
+            append(self._links.get(links) or self._link_bytes(links))
         if error:
-            parts.append(_ld(b"\x7a", _ld(b"\x12", error.encode()) + _STATUS_CODE))
+            append(_ld(b"\x7a", _ld(b"\x12", error.encode()) + _STATUS_CODE))
         else:
-            parts.append(_STATUS_OK)
-        parts.append(_FLAGS)
-        return _ld(b"\x12", b"".join(parts))  # ScopeSpans.spans
+            append(_STATUS_OK)
+        append(_FLAGS)
+        body = b"".join(parts)
+        n = len(body)
+        return b"\x12" + (_VARINTS[n] if n < 16384 else _varint(n)) + body  # ScopeSpans.spans
 
     def request(self, spans: list[bytes]) -> bytes:
         scope_spans = _ld(b"\x12", self._scope + b"".join(spans))  # ResourceSpans.scope_spans
