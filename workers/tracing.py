@@ -37,7 +37,7 @@ from typing import Any
 
 MODES = ("off", "spans", "otlp")
 FLUSH_TIMEOUT_MS = 5000
-BATCH_SPANS = 256  # span tuples of finished rollouts handed to the exporter process at once (or every second)
+BATCH_SPANS = 1024  # span tuples of finished rollouts handed to the exporter process at once (or every second)
 
 log = logging.getLogger(__name__)
 

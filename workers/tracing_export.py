@@ -52,8 +52,8 @@ ROLLOUT_ATTRS = (
     "rollout.wall_ms",
     "rollout.abandoned",
 )
-QUEUE_BATCHES = 256  # batches (256 spans each at most) waiting for the exporter process; more are dropped and counted
-EXPORT_BATCH_SPANS = 512  # spans per OTLP request
+QUEUE_BATCHES = 64  # batches (1024 spans each at most) waiting for the exporter process; more are dropped and counted
+EXPORT_BATCH_SPANS = 2048  # spans per OTLP request (~0.7 MB)
 EXPORTER_NICE = 10  # the exporter process's niceness (over the worker's)
 EXPORT_DELAY_S = 1.0  # the longest a span waits in the exporter process before its request
 
