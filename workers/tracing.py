@@ -2,9 +2,9 @@
 
 Off by default. The engine asks `run_tracer(config)` once per run: None when tracing is off (the engine then
 only tests `is None` -- nothing of OpenTelemetry is imported or called), else a RunTracer. The worker process
-never loads the SDK: spans are plain slots, then plain tuples handed to an exporter subprocess
-(workers/tracing_export.py) that builds, encodes and sends them -- the encoding (~0.1 ms of CPU per span) is
-off the worker's CPU path.
+never loads the SDK: spans are plain lists, then plain tuples handed to an exporter subprocess
+(workers/tracing_export.py) that encodes (workers/otlp_encode.py, ~4 µs of CPU per span) and sends them, off the
+worker's CPU path.
 
 Shape of the spans
 ------------------
@@ -100,9 +100,9 @@ def sampled(trace_id: str, ratio: float) -> bool:
 
 
 class RunTracer:
-    """The spans of one engine run (one chunk). Cheap by design: while a rollout runs its spans are a few slots
+    """The spans of one engine run (one chunk). Cheap by design: while a rollout runs its spans are a list or two
     each; when it ends they become plain tuples (workers.tracing_export.SPAN_FIELDS), handed in batches to the
-    exporter process ("otlp"), which builds the SDK spans and encodes and sends them off this process's CPU, or
+    exporter process ("otlp"), which encodes (OTLP protobuf) and sends them off this process's CPU, or
     dropped ("spans"). Nothing of OpenTelemetry is imported here. Every method is quick and never raises."""
 
     def __init__(self, config: TraceConfig):

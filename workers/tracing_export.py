@@ -1,7 +1,7 @@
 """The OTLP exporter of workers/tracing.py, off the worker's CPU path: a subprocess (a fresh interpreter that
-imports only this module: unlike multiprocessing's spawn it never re-runs the worker's __main__) that turns
-plain span tuples into SDK ReadableSpans, encodes them (protobuf) and sends them in batches with the SDK's
-OTLPSpanExporter.
+imports only this module: unlike multiprocessing's spawn it never re-runs the worker's __main__) that encodes
+plain span tuples straight into OTLP protobuf (workers/otlp_encode.py, the bytes the SDK's encoder would make)
+and sends them in batches with the SDK's OTLPSpanExporter's HTTP client.
 
 The worker side (`Exporter`) only puts lists of span tuples on a bounded queue: `put_nowait`, and a full queue
 drops the batch and counts its spans (`stats()["dropped"]`, logged) -- collection never waits on the exporter.
