@@ -25,7 +25,11 @@ def register_builtin_panel_contexts():
     from controlplane.panels import register_panel
 
     def workers(request, job):
-        return {"workers": job_workers(job), "queue": chunk_queue(job) or settings.CELERY_TASK_DEFAULT_QUEUE}
+        from django.utils import timezone
+
+        # as_of: when the figures were read (a rate moves; the page says which moment it shows)
+        return {"workers": job_workers(job), "queue": chunk_queue(job) or settings.CELERY_TASK_DEFAULT_QUEUE,
+                "as_of": timezone.now()}
 
     register_panel("dashboard/panels/verification.html", name="verification",
                    context=lambda request, job: panel_context(job))

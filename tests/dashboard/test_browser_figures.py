@@ -121,7 +121,8 @@ READ_PANELS = """() => {
   const ch = window.dashboardCharts;
   let chart = null;
   if (ch) for (let i = ch.t.length - 1; i >= 0; i--) if (ch.sps[i] !== null) { chart = {t: ch.t[i], sps: ch.sps[i]}; break; }
-  return {workers, evidence, chart, now: Date.now() / 1000};
+  const asOf = parseFloat(document.querySelector("#workers-table").dataset.asOf);  // when the server read them
+  return {workers, evidence, chart, now: asOf};
 }"""
 READ_REPLICAS = """() => Array.from(document.querySelectorAll("#replica-load-table tbody tr")).map((tr) => ({
   state: tr.querySelector(".replica-state").textContent.trim(),
@@ -143,7 +144,16 @@ def check_moment(name, page, ep_page, stack, job, log):
     log.append((name, "live", live, t_msg))
     if running:
         assert _num(live["rate"]) == pytest.approx(t_msg["rate"], rel=REL), (name, live, t_msg)
-        assert abs(_num(live["in_flight"]) - PARALLELISM) <= 0.1 * PARALLELISM, (name, live)
+        # in flight is a live figure, no stored one: between one chunk's last request and the next chunk's
+        # first, the runs hold less than the job's parallelism for a moment; it comes back within seconds
+        flights = [_num(live["in_flight"])]
+        while abs(flights[-1] - PARALLELISM) > 0.1 * PARALLELISM and len(flights) < 10:
+            time.sleep(0.5)
+            now = page.evaluate(READ_LIVE)
+            if now["state"] != "running":
+                break
+            flights.append(_num(now["in_flight"]))
+        assert abs(flights[-1] - PARALLELISM) <= 0.1 * PARALLELISM or now["state"] != "running", (name, flights)
         left = job.total_rollouts - int(_num(live["done"]))
         assert _duration(live["eta"]) == pytest.approx(left / t_msg["rate"], rel=REL, abs=1.5), (name, live, t_msg)
         # the chart's last point is the live message's rate
@@ -280,7 +290,7 @@ def test_every_figure_agrees_with_the_stored_rollouts_through_pause_resume_cance
             # 5. resumed after the cancel, to the end
             click("resume", "running")
             mark = done()
-            until_done(mark + 0.4 * (total - mark), "40 % of the rest after resuming the cancelled job")
+            until_done(mark + 0.25 * (total - mark), "25 % of the rest after resuming the cancelled job")
             check_moment("resumed after cancel", page, ep_page, stack, job, log)
             _wait(lambda: CollectionJob.objects.get(pk=job.pk).state == "completed", 120, "completion")
             page.reload()
