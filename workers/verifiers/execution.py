@@ -11,6 +11,9 @@ chunk and worker of a job (`cache="job"`, scope "job:<id>:...") or of every job 
 later verification runs of the same job; identical work in flight on two workers is computed once. Without
 one, `cache="job"` keeps one cache per executor (one chunk run) and `cache="global"` one bounded cache per
 worker process. `cache="off"` disables it. Concurrent identical requests in one run wait for the first.
+An executor keeps the LOCAL_MAX results it used last (identical rollouts of a task run close together), not
+every result of its run: a chunk of 250,000 distinct rollouts kept ~0.7 KB each, growing the worker with the
+chunk (and so with the job, whose chunk size grows with it).
 
 The shared cache pays only where a verification costs more than the Redis round trips it saves (a sandboxed
 program, an LLM judge: yes; math-verify at 0 % hits: no, it cost the engine 1.2-1.8x the CPU). So with
@@ -40,6 +43,7 @@ SHARED_CHOICES = ("measured", "always")
 SHARED_PROBE = 256  # shared lookups measured before the choice
 SHARED_PROBE_COMPUTED = 16  # ... of which at least this many computed (else nearly all hit: keep the shared cache)
 _GLOBAL_MAX = 200_000
+LOCAL_MAX = 8192  # results one executor keeps, least recently used dropped first (work in flight: always shared)
 _global: OrderedDict = OrderedDict()
 _global_lock = threading.Lock()
 
@@ -65,7 +69,7 @@ class VerifyExecutor:
     def __init__(self, name: str, options: dict | None, *, fast: bool = False, cache: str = "job",
                  concurrency: int = 32, pooled: Callable | None = None, shared_url: str | None = None,
                  shared_scope: str = "", shared_ttl_s: int = 7 * 24 * 3600, shared_claim_s: float = 60.0,
-                 shared_choice: str = "measured"):
+                 shared_choice: str = "measured", local_max: int = LOCAL_MAX):
         self.verifier = get_verifier(name)  # ValueError for an unknown name
         self.name = name
         self.cache_name = f"{name}@{self.verifier.fingerprint()}"  # changed verifier code: other keys
@@ -88,7 +92,9 @@ class VerifyExecutor:
             self.concurrency = self.options["concurrency"]  # the verifier's own limit (a judge's endpoint)
         self.threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="verify-io") if self.kind == "io" else None
         self.sem = asyncio.Semaphore(self.concurrency) if self.kind in ("io", "remote") else None
-        self.cache: dict[str, asyncio.Future] = {}
+        self.cache: OrderedDict[str, VerifyResult] = OrderedDict()  # done, the most recently used last
+        self.local_max = max(1, int(local_max))
+        self._inflight: dict[str, asyncio.Future] = {}  # being computed: identical requests wait for it
         self.hits = self.lookups = 0
         self.shared = None
         if cache != "off" and shared_url and shared_scope:
@@ -187,12 +193,17 @@ class VerifyExecutor:
             if hit is not None:
                 self.hits += 1
                 return hit
-        fut = self.cache.get(key)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cache.move_to_end(key)
+            self.hits += 1
+            return hit
+        fut = self._inflight.get(key)
         if fut is not None:
             self.hits += 1
             return await asyncio.shield(fut)
         fut = asyncio.get_running_loop().create_future()
-        self.cache[key] = fut
+        self._inflight[key] = fut
         try:
             result, claimed = None, False
             shared = self.shared  # this call's: a claim taken is stored or released there even if the run
@@ -231,12 +242,16 @@ class VerifyExecutor:
             if shared is not None and not self.choice:
                 self._choose()
         except BaseException as exc:
-            self.cache.pop(key, None)  # errors (a judge timeout) are not remembered
+            self._inflight.pop(key, None)  # errors (a judge timeout) are not remembered
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved
             raise
+        self._inflight.pop(key, None)
         fut.set_result(result)
+        self.cache[key] = result
+        if len(self.cache) > self.local_max:
+            self.cache.popitem(last=False)
         if self.cache_mode == "global" and self.shared is None:
             with _global_lock:
                 _global[key] = result
