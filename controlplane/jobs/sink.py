@@ -23,6 +23,7 @@ from controlplane.jobs.replica_load import LIVE_MESSAGE_TYPE as REPLICAS_MESSAGE
 from controlplane.telemetry import record_rollout_batch
 from workers.engine.materialize import materialize_tasks, row_repeats
 from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, RolloutResult
+from workers.task_index import IndexRuns
 
 from . import figures
 from .events import LiveFigures, ProgressMessage, job_group, live_figures, progress_payload
@@ -617,8 +618,9 @@ class ChunkTasks:
         self.emitted = 0
         self.skipped = 0
         self.rows_seen = 0
-        # occurrence -> the chunk's task indices with it (to check completeness after the run)
-        self.tasks_by_occurrence: dict[int, set[int]] = {}
+        # (occurrence, R) -> the chunk's task indices with it (to check completeness after the run), as runs of
+        # consecutive indices: constant memory for the usual contiguous chunk
+        self.tasks_by_occurrence: dict[tuple[int, int], IndexRuns] = {}
 
     @property
     def task_ids(self) -> set[int]:
@@ -657,10 +659,11 @@ class ChunkTasks:
         for (occurrence, r), ids in self.tasks_by_occurrence.items():
             pairs = qs.filter(rollout_index__gte=self.offset + occurrence * r,
                               rollout_index__lt=self.offset + (occurrence + 1) * r)
-            if len(ids) == max(ids) - min(ids) + 1:  # the usual case: a contiguous range of task indices
-                total += pairs.filter(task_index__gte=min(ids), task_index__lte=max(ids)).count()
+            runs = ids.ranges()
+            if len(runs) == 1:  # the usual case: a contiguous range of task indices
+                total += pairs.filter(task_index__gte=runs[0][0], task_index__lte=runs[0][1]).count()
             else:
-                total += pairs.filter(task_index__in=ids).count()
+                total += pairs.filter(task_index__in=list(ids)).count()
         return total
 
     @property
@@ -678,7 +681,7 @@ class ChunkTasks:
                 self.rows_seen += 1
                 r = self.repeats(row) if callable(self.repeats) else self.repeats
                 self.expected += r
-                self.tasks_by_occurrence.setdefault((occurrence, r), set()).add(int(task_index))
+                self.tasks_by_occurrence.setdefault((occurrence, r), IndexRuns()).add(int(task_index))
             for item in materialize_tasks(rows, self.repeats):
                 if self.offset:
                     item.rollout_index += self.offset
