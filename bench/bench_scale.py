@@ -166,6 +166,13 @@ class PostgresCpu:
         return sum(v - self.live0.get(pid, 0.0) for pid, v in live.items()) + (reaped - self.reaped0) - gone
 
 
+def _rss(pid: int) -> int:
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
+
+
 def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: str, sim_pid: int) -> dict:
     from django.db.models import Count
 
@@ -190,6 +197,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
                                   responses_create_params={"max_output_tokens": args.max_tokens},
                                   chunk_size=chunk_size, name=f"scale {n} x {n_workers}", launch=True)
         t_first = t_last = rss_early = rss_collecting = None
+        timeline, next_mark = [], 1  # (% of the job stored, s since the first row, RSS of the largest worker now MB)
         while True:
             job.refresh_from_db(fields=["state", "completed_count", "failed_count", "error_message"])
             stored = job.completed_count + job.failed_count
@@ -201,6 +209,14 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
                 rss_collecting = max(sampler.peak_own.values(), default=0) * MB  # before the job's finalization
             if rss_early is None and stored >= n // 10:
                 rss_early = max(sampler.peak_own.values(), default=0) * MB
+            while next_mark <= 10 and stored >= n * next_mark // 10:  # RSS now (not the peak) at each 10 %
+                timeline.append((next_mark * 10, round(now - (t_first or t0)), round(max(
+                    (_rss(w.popen.pid) for w in workers), default=0) * MB)))
+                next_mark += 1
+                if n >= 100_000:  # a long run says how it goes (a run cut short still gives its figures)
+                    print(f"    {n}: {timeline[-1][0]}% stored, {stored / max(1e-9, now - (t_first or t0)):.0f} "
+                          f"rollouts/s so far, worker RSS {timeline[-1][2]} MB, load average "
+                          f"{os.getloadavg()[0]:.1f}", flush=True)
             if job.state not in (JobState.QUEUED, JobState.RUNNING):
                 break
             if now - t0 > args.timeout:
@@ -244,7 +260,7 @@ def run_job_on_workers(args, user, dataset, ep, n, n_workers, tmp: Path, queue: 
             "chunk_rps": [round((e - s) / d) for (s, e, *_), d in zip(chunk_rows, chunk_s) if d > 0],
             "chunk_size": chunk_size, "peak_rss_mb": max(own), "peak_rss_mb_each": [round(x) for x in own],
             "peak_rss_with_children_mb": max(total), "rss_at_10pct_mb": rss_early or 0.0,
-            "peak_rss_collecting_mb": rss_collecting or 0.0, "worker_cpu_ms_per_rollout": cpu_workers * 1000 / max(1, rows),
+            "peak_rss_collecting_mb": rss_collecting or 0.0, "rss_timeline": timeline, "worker_cpu_ms_per_rollout": cpu_workers * 1000 / max(1, rows),
             "verifier_cpu_ms_per_rollout": cpu_verifiers * 1000 / max(1, rows),
             "simulator_cpu_ms_per_rollout": sim_cpu * 1000 / max(1, rows), "postgres_cpu_ms_per_rollout":
             pg_cpu * 1000 / max(1, rows), "chunks": -(-n // chunk_size), "rows_per_worker": sorted(hosts.values(), reverse=True),
@@ -268,8 +284,10 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
                 r = run_job_on_workers(args, user, dataset, ep, n, k, tmp, queue, sim.pid)
                 out.append(r)
                 print(f"  {n} rollouts on {k} worker(s): {r['state']}, {r['rows']} rows ({r['duplicates']} duplicated), "
-                      f"{r['rps']:.0f} rollouts/s, peak RSS per worker {r['peak_rss_mb_each']} MB, rows per worker "
-                      f"{r['rows_per_worker']}", flush=True)
+                      f"{r['rps']:.0f} rollouts/s, peak RSS per worker {r['peak_rss_mb_each']} MB (collecting "
+                      f"{r['peak_rss_collecting_mb']:.0f}), rows per worker {r['rows_per_worker']}, load average "
+                      f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; RSS MB at 10..100 %: "
+                      f"{' '.join(str(mb) for _, _, mb in r['rss_timeline'])}", flush=True)
     finally:
         sim.terminate()
         sim.wait(10)
@@ -297,6 +315,9 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
     for r in out:
         print(f"  {r['n']} x {r['workers']}: {' '.join(map(str, r['chunk_rps']))}   gaps "
               f"{' '.join(f'{g:.2f}' for g in r['chunk_gap_secs'])}")
+    print("\nworker RSS now (MB) as the job's rows reach 10 %, 20 % ... 100 % (s from the first row):")
+    for r in out:
+        print(f"  {r['n']} x {r['workers']}: " + "  ".join(f"{p}%:{mb}({s}s)" for p, s, mb in r["rss_timeline"]))
     if len(args.sizes) >= 2:
         small, big = min(args.sizes), max(args.sizes)
         print(f"\npeak RSS per worker, {big} vs {small} rollouts (flat = ~1.0):")
@@ -306,6 +327,15 @@ def workers_mode(args, tmp: Path, queue: str) -> dict:
             b = next(r for r in out if r["n"] == big and r["workers"] == k)
             rows.append([k, f"{a['peak_rss_mb']:.0f}", f"{b['peak_rss_mb']:.0f}", f"{b['peak_rss_mb'] / a['peak_rss_mb']:.2f}"])
         print_table(["workers", f"{small} MB", f"{big} MB", "ratio"], rows)
+        print(f"\neach run vs the first {small}-rollout run on as many workers (rate >= 0.9x and memory flat = ~1.0):")
+        rows = []
+        for r in out:
+            a = next(x for x in out if x["n"] == small and x["workers"] == r["workers"])
+            rows.append([r["n"], r["workers"], f"{r['rps']:.0f}", f"{r['rps'] / a['rps']:.2f}",
+                         f"{r['peak_rss_collecting_mb']:.0f}", f"{r['peak_rss_collecting_mb'] / a['peak_rss_collecting_mb']:.2f}",
+                         f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] / a['peak_rss_mb']:.2f}"])
+        print_table(["rollouts", "workers", "rollouts/s", "x rate", "peak collecting MB", "x", "peak incl. finalize MB",
+                     "x"], rows)
     return {"workers": out}
 
 
