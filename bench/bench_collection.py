@@ -128,8 +128,11 @@ class Worker:
         # profile_dir: the worker runs under yappi (bench/yappi_worker.py), its profile written there on stop
         # BENCH_SQL_TIMES=DIR: every SQL statement timed by shape (bench/sqltime_worker.py), written there on stop
         sql_dir = os.environ.get("BENCH_SQL_TIMES")
+        # BENCH_TRACEMALLOC=DIR: the worker under tracemalloc, what grew written there on stop (bench/tracemalloc_worker.py)
+        mem_dir = os.environ.get("BENCH_TRACEMALLOC")
         runner = (["bench.yappi_worker", str(profile_dir), tag] if profile_dir else
-                  ["bench.sqltime_worker", sql_dir, tag] if sql_dir else ["celery"])
+                  ["bench.sqltime_worker", sql_dir, tag] if sql_dir else
+                  ["bench.tracemalloc_worker", mem_dir, tag] if mem_dir else ["celery"])
         args = [sys.executable, "-m", *runner, "-A", "controlplane", "worker", "-P", "threads", "-c", "1",
                 "-Q", queue, "-n", f"bench-{tag}-{queue}@%h", "--without-gossip", "--without-mingle",
                 "--without-heartbeat", "-l", "info"]
