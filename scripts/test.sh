@@ -3,10 +3,10 @@
 # on CPU with a tiny local model), starts what is down, and runs the whole suite.
 #   --quick (first argument, `make quick`): the unit and API tests only, without the slow tiers (markers
 #   vllm, browser, e2e, nemo_gym, slow in pytest.ini) and without setting up Chromium, vLLM or NeMo Gym.
-# The whole suite runs on TEST_WORKERS pytest-xdist workers (default 3: ~15 min instead of ~30 serially on 2 cores;
-# TEST_WORKERS=0: in this one process), each with its own test database, Redis db (TEST_REDIS_URL's db minus the
-# worker's number), queues and metrics directory (tests/parallel.py); one worker runs all of a heavy tier (NeMo Gym,
-# Chromium, vLLM) so its servers start once. `--quick` runs serially unless TEST_WORKERS is set.
+# The suite runs on TEST_WORKERS pytest-xdist workers (default 0: in this one process, ~30 min on 2 cores; 3: ~19 min;
+# not the default while a parallel run can still end in an xdist internal error, see README), each with its own
+# test database, Redis db (TEST_REDIS_URL's db minus the worker's number), queues and metrics directory
+# (tests/parallel.py); one worker runs all of a heavy tier (NeMo Gym, Chromium, vLLM) so its servers start once.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
@@ -25,7 +25,7 @@ export CHANNELS_PREFIX="${CHANNELS_PREFIX:-tests-$$}"
 # The metrics directory of the test run's processes (prometheus-client multi-process mode), emptied first.
 export PROMETHEUS_MULTIPROC_DIR="${PROMETHEUS_MULTIPROC_DIR:-$ROOT/var/prometheus-tests}"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
-if [ ${#QUICK[@]} = 0 ]; then WORKERS="${TEST_WORKERS:-3}"; else WORKERS="${TEST_WORKERS:-0}"; fi
+WORKERS="${TEST_WORKERS:-0}"
 XDIST=()
 if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
 exec "$PY" -m pytest "${XDIST[@]}" "${QUICK[@]}" "$@"
