@@ -44,7 +44,30 @@ SHARED_PROBE = 256  # shared lookups measured before the choice
 SHARED_PROBE_COMPUTED = 16  # ... of which at least this many computed (else nearly all hit: keep the shared cache)
 _GLOBAL_MAX = 200_000
 LOCAL_MAX = 8192  # results one executor keeps, least recently used dropped first (work in flight: always shared)
-_global: OrderedDict = OrderedDict()
+
+
+class BoundedLru(OrderedDict):
+    """At most `limit` entries, the least recently used dropped first (the executor's and the worker's caches)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = max(1, int(limit))
+
+    def use(self, key):
+        """The value for key (None if absent), marked as just used."""
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+_global = BoundedLru(_GLOBAL_MAX)
 _global_lock = threading.Lock()
 
 
@@ -92,8 +115,7 @@ class VerifyExecutor:
             self.concurrency = self.options["concurrency"]  # the verifier's own limit (a judge's endpoint)
         self.threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="verify-io") if self.kind == "io" else None
         self.sem = asyncio.Semaphore(self.concurrency) if self.kind in ("io", "remote") else None
-        self.cache: OrderedDict[str, VerifyResult] = OrderedDict()  # done, the most recently used last
-        self.local_max = max(1, int(local_max))
+        self.cache = BoundedLru(local_max)  # done: key -> VerifyResult, the most recently used last
         self._inflight: dict[str, asyncio.Future] = {}  # being computed: identical requests wait for it
         self.hits = self.lookups = 0
         self.shared = None
@@ -187,15 +209,12 @@ class VerifyExecutor:
         """The result for `key` (already counted as a lookup): local, then shared cache, else computed once."""
         if self.cache_mode == "global" and self.shared is None:
             with _global_lock:
-                hit = _global.get(key)
-                if hit is not None:
-                    _global.move_to_end(key)
+                hit = _global.use(key)
             if hit is not None:
                 self.hits += 1
                 return hit
-        hit = self.cache.get(key)
+        hit = self.cache.use(key)
         if hit is not None:
-            self.cache.move_to_end(key)
             self.hits += 1
             return hit
         fut = self._inflight.get(key)
@@ -249,14 +268,10 @@ class VerifyExecutor:
             raise
         self._inflight.pop(key, None)
         fut.set_result(result)
-        self.cache[key] = result
-        if len(self.cache) > self.local_max:
-            self.cache.popitem(last=False)
+        self.cache.put(key, result)
         if self.cache_mode == "global" and self.shared is None:
             with _global_lock:
-                _global[key] = result
-                while len(_global) > _GLOBAL_MAX:
-                    _global.popitem(last=False)
+                _global.put(key, result)
         return result
 
     async def _compute(self, row: dict, text: str) -> VerifyResult:
