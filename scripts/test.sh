@@ -3,10 +3,12 @@
 # on CPU with a tiny local model), starts what is down, and runs the whole suite.
 #   --quick (first argument, `make quick`): the unit and API tests only, without the slow tiers (markers
 #   vllm, browser, e2e, nemo_gym, slow in pytest.ini) and without setting up Chromium, vLLM or NeMo Gym.
-# The suite runs on TEST_WORKERS pytest-xdist workers (default 0: in this one process, ~30 min on 2 cores; 3: ~19 min;
-# not the default while a parallel run can still end in an xdist internal error, see README), each with its own
-# test database, Redis db (TEST_REDIS_URL's db minus the worker's number), queues and metrics directory
-# (tests/parallel.py); one worker runs all of a heavy tier (NeMo Gym, Chromium, vLLM) so its servers start once.
+# The whole suite runs on TEST_WORKERS pytest-xdist workers (default 3: ~20 min instead of ~30 in one process on
+# 2 cores; TEST_WORKERS=0: in this one process), each with its own test database, Redis db (TEST_REDIS_URL's db minus
+# the worker's number), queues and metrics directory (tests/parallel.py); one worker runs all of a heavy tier (NeMo
+# Gym, Chromium, vLLM) so its servers start once. `--quick` runs in one process unless TEST_WORKERS is set.
+# --tb=native on workers: pytest's own traceback format calls ast.parse, which CPython 3.11.7 can fail in an xdist
+# worker ("AST constructor recursion depth mismatch", python/cpython#106905), an internal error hiding the failure.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
@@ -25,7 +27,7 @@ export CHANNELS_PREFIX="${CHANNELS_PREFIX:-tests-$$}"
 # The metrics directory of the test run's processes (prometheus-client multi-process mode), emptied first.
 export PROMETHEUS_MULTIPROC_DIR="${PROMETHEUS_MULTIPROC_DIR:-$ROOT/var/prometheus-tests}"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
-WORKERS="${TEST_WORKERS:-0}"
+if [ ${#QUICK[@]} = 0 ]; then WORKERS="${TEST_WORKERS:-3}"; else WORKERS="${TEST_WORKERS:-0}"; fi
 XDIST=()
-if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder --tb=native); fi
 exec "$PY" -m pytest "${XDIST[@]}" "${QUICK[@]}" "$@"
