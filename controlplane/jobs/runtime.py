@@ -271,7 +271,7 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
 def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None,
-                   on_stored=None):
+                   on_stored=None, others_running=None):
     """Run every unfinished chunk of the job in this process, with the same code path as the Celery
     task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
     (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
@@ -279,7 +279,9 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     (their lease expires if that process died). Ctrl-C pauses the job, so a rerun resumes it.
     `stats` (a dict), when given, receives `lease_wait_s`: the time spent waiting for such leases.
     `on_stored(rows)` receives each batch's newly stored rows right after it commits (the CLI's output files).
-    Returns the job, refreshed."""
+    `others_running()`, when given, says whether this run's own other engine processes are still at work
+    (controlplane.jobs.engine_procs): chunks they hold are waited for as long as it is true, not counted as a
+    lease wait and never given up on. Returns the job, refreshed."""
     worker_name = worker_name or default_worker_name("inline")
     wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
     job.refresh_from_db()
@@ -315,6 +317,9 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
                     break
             if progressed:
                 waited_since = None
+            elif others_running is not None and others_running():  # this run's other processes hold them
+                waited_since = None
+                time.sleep(0.25)
             else:  # every open chunk is leased by someone else: wait for them or for their lease to expire
                 waited_since = waited_since or time.monotonic()
                 if time.monotonic() - waited_since > wait_for_lease_s:
