@@ -25,6 +25,7 @@ class Key:
     help: str
     default: Any = None
     minimum: float | None = None
+    maximum: float | None = None
     choices: tuple = ()
     group: str = "collection"
     aliases: tuple = ()
@@ -82,6 +83,9 @@ KEYS: list[Key] = [
         "inline", choices=("inline", "fast", "deferred")),
     Key("verifier_options.<option>", "dict", "options passed to the verifier", None),
     Key("chunk_size", "int", "dataset rows per chunk (unit of resume)", 5000, minimum=1),
+    Key("engine_processes", "int", "run the job's chunks in N processes on this host (this one and N-1 children, "
+        "sharing the chunks by lease and the parallelism) when one process's CPU is the limit; with chunk_size "
+        "unset the job gets 2 chunks per process", 1, minimum=1, maximum=64, identity=False),
     Key("name", "str", "job name (default: agent_name or the input file name)", "", identity=False),
     Key("accept_partial", "bool", "load only the good lines of an input with bad lines (else it is rejected)", False,
         group="input", identity=False),
@@ -175,6 +179,8 @@ def _check(key: Key, value, verifiers) -> Any:
                 raise ArgError(f"+{n} must be an integer, got {json.dumps(value)}")
         if key.minimum is not None and value < key.minimum:
             raise ArgError(f"+{n} must be >= {int(key.minimum)}, got {value}")
+        if key.maximum is not None and value > key.maximum:
+            raise ArgError(f"+{n} must be <= {int(key.maximum)}, got {value}")
         return value
     if key.kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -11,7 +11,8 @@ The input is loaded as a dataset (a file with the same sha256 is reused), the en
 created, and the run is a CollectionJob in the database, executed in this process with a progress bar.
 The job's idempotency key is derived from the resolved arguments and the input's sha256, so RERUNNING
 THE SAME COMMAND RESUMES the same job (exactly-once: nothing is lost or duplicated); a completed job
-just writes its output again. Ctrl-C pauses the job; rerun to resume.
+just writes its output again. Ctrl-C pauses the job; rerun to resume. +engine_processes=N runs the job's
+chunks in N processes on this host, when one process's CPU is the limit (controlplane.jobs.engine_procs).
 
 Output, NeMo Gym style: <out>.jsonl (successful rows), <out>_failures.jsonl (failed rows with
 failure_class and error) and <out>_aggregate_metrics.json. As in NeMo Gym, rollouts are appended and flushed
@@ -270,12 +271,18 @@ class Command(BaseCommand):
         from django.core.exceptions import ValidationError
 
         name = cfg["name"] or cfg["agent_name"] or Path(cfg["input_jsonl_fpath"]).stem
+        chunk_size = cfg["chunk_size"]
+        if cfg["engine_processes"] > 1 and "chunk_size" not in cfg["_given"]:  # chunks enough for every process
+            from controlplane.jobs.engine_procs import chunk_size_for
+
+            n_rows = min(cfg["limit"], dataset.row_count) if cfg["limit"] else dataset.row_count
+            chunk_size = chunk_size_for(n_rows, cfg["engine_processes"], chunk_size)
         try:
             job, created = get_or_create_job(
                 owner=owner, dataset=dataset, endpoint=endpoint, limit=cfg["limit"] or None, num_repeats=num_repeats,
                 num_samples_in_parallel=parallelism,
                 responses_create_params=cfg["responses_create_params"], verifier=cfg["verifier"],
-                verifier_options=cfg["verifier_options"], verify_mode=cfg["verify_mode"], chunk_size=cfg["chunk_size"],
+                verifier_options=cfg["verifier_options"], verify_mode=cfg["verify_mode"], chunk_size=chunk_size,
                 name=(f"cli: {name}")[:200], idempotency_key=key, output_path=str(out_path.resolve()), launch=False,
                 profiling_enabled=bool(cfg["profiling_enabled"]),
                 operator=True,  # run by the operator on their machine: any dotted-path verifier of theirs
@@ -350,7 +357,8 @@ class Command(BaseCommand):
         run_stats = {"lease_wait_s": 0.0}
         try:
             if job.state != JobState.COMPLETED:
-                job = self._run(job, run_job_inline, run_stats, on_stored=files.stored)
+                job = self._run(job, run_job_inline, run_stats, on_stored=files.stored,
+                                processes=cfg["engine_processes"], quiet=verbosity < 2)
         finally:
             files.close()
         # a wait for a previous run's lease to expire (a run killed without a chance to release its chunks) is
@@ -379,34 +387,59 @@ class Command(BaseCommand):
         if job.state != JobState.COMPLETED:
             self._fail(f"job {job.pk} ended {job.state}; rerun the same command to resume it.", code=2)
 
-    def _run(self, job, run_job_inline: Callable, run_stats: dict, on_stored=None):
+    def _run(self, job, run_job_inline: Callable, run_stats: dict, on_stored=None, processes: int = 1,
+             quiet: bool = True):
+        import threading
+
         from tqdm import tqdm
 
+        children = self._engine_children(job, processes)
         bar = tqdm(total=job.total_rollouts, initial=job.done_count, desc="Collecting rollouts", file=sys.stderr,
                    dynamic_ncols=True, smoothing=0.1, mininterval=0.25)
         failed_seen = [job.failed_count]
+        bar_lock = threading.Lock()  # the engine's thread and the children's reader move the bar
 
         def on_progress(payload: dict):
-            done = int(payload.get("done") or 0)
-            if done > bar.n:
-                bar.update(done - bar.n)
-            failed = int(payload.get("failed") or 0)
-            if failed != failed_seen[0]:
-                failed_seen[0] = failed
-                bar.set_postfix(failed=failed, refresh=False)
+            with bar_lock:
+                done = int(payload.get("done") or 0)
+                if done > bar.n:
+                    bar.update(done - bar.n)
+                failed = int(payload.get("failed") or 0)
+                if failed != failed_seen[0]:
+                    failed_seen[0] = failed
+                    bar.set_postfix(failed=failed, refresh=False)
 
         import signal
-        import threading
 
         previous = None
+        terminated: list = []
+        pool = None
         if threading.current_thread() is threading.main_thread():
             def on_term(signum, frame):  # `kill` / tmux kill-session: stop like Ctrl-C (the job is paused)
+                terminated.append(signum)
+                if pool is not None:  # at once: they pause the job even if the raise below lands where it is
+                    pool.signal_children()  # ignored (a weakref callback of this thread)
                 raise KeyboardInterrupt
 
             previous = signal.signal(signal.SIGTERM, on_term)
+        from controlplane.jobs.runtime import default_worker_name
+
+        self._worker_names = [default_worker_name("inline")]
         try:
-            job = run_job_inline(job, on_progress=on_progress, stats=run_stats, on_stored=on_stored)
+            if children:  # the others first: they start (spawn, Django) while this process runs its first chunk
+                from controlplane.jobs.engine_procs import EngineProcesses
+
+                pool = EngineProcesses(job, children, on_stored=on_stored, on_progress=on_progress, quiet=quiet).start()
+            job = run_job_inline(job, on_progress=on_progress, stats=run_stats, on_stored=on_stored,
+                                 worker_name=self._worker_names[0],
+                                 others_running=pool.others_running if pool else None)
+            if pool is not None:
+                pool.join()
+            if terminated:  # the signal's KeyboardInterrupt was swallowed; the job was paused all the same
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
+            if pool is not None:  # Ctrl-C reached them too; SIGTERM (or a second Ctrl-C here) did not
+                pool.stop()
             bar.close()
             job.refresh_from_db()
             self.stderr.write(f"\nInterrupted: job {job.pk} is {job.state} with {job.done_count}/{job.total_rollouts} "
@@ -415,11 +448,43 @@ class Command(BaseCommand):
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if pool is not None:
+                pool.stop()  # a no-op when they ended; else (an error here) they are not left running
+                self._worker_names += pool.worker_prefixes()
         job.refresh_from_db()
         if job.done_count > bar.n:
             bar.update(job.done_count - bar.n)
         bar.close()
         return job
+
+    def _engine_children(self, job, processes: int) -> int:
+        """How many child engine processes to start for +engine_processes=N: N-1, fewer when the job has fewer
+        chunks left to run than processes (said)."""
+        if processes <= 1:
+            return 0
+        from controlplane.jobs.models import JobChunk
+
+        left = JobChunk.objects.filter(job=job).exclude(state=JobChunk.State.DONE).count()
+        used = max(1, min(processes, left))
+        self.stderr.write(f"Engine processes: {used} (this one and {used - 1} more), {left} chunk(s) to run"
+                          + (f"; +engine_processes={processes} needs at least {processes} chunks (this job was "
+                             f"made with +chunk_size={job.chunk_size})" if used < processes else ""))
+        return used - 1
+
+    def _engine_line(self, job) -> str | None:
+        """With +engine_processes > 1: the rollouts each process stored in this run."""
+        names = getattr(self, "_worker_names", [])
+        if len(names) < 2:
+            return None
+        from django.db.models import Count
+
+        from controlplane.jobs.models import Rollout
+
+        by_worker = dict(Rollout.objects.filter(job=job).values_list("worker").annotate(n=Count("id")).order_by())
+        counts = [sum(n for w, n in by_worker.items() if w == names[0])]
+        counts += [sum(n for w, n in by_worker.items() if w.startswith(prefix)) for prefix in names[1:]]
+        return (f"Engine processes: {len(names)}; rollouts stored this run by each: "
+                + ", ".join(str(c) for c in counts) + " (this one first)")
 
     @staticmethod
     def _retry_line(job, got: dict) -> str:
@@ -475,6 +540,8 @@ class Command(BaseCommand):
             f"Aggregate metrics: {res['aggregate_metrics'] or 'skipped (+disable_aggregation=true)'}",
             f"Materialized inputs: {res['materialized_inputs']}",
         ]
+        if engine_line := self._engine_line(job):
+            lines.insert(2, engine_line)
         if getattr(self, "_retried", None) and self._retried["retry"]:
             lines.insert(1, self._retried_outcome(job, self._retried["retry"]))
         if job.failed_count:
