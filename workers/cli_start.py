@@ -32,6 +32,7 @@ def prewarm_from_argv(argv: list[str]) -> threading.Thread | None:
     if len(argv) < 3 or argv[1] != COMMAND or any(a in ("-h", "--help") for a in argv[2:]):
         return None
     opts = _options(argv[2:])
+    split_verifier_pool(opts.get("engine_processes"))
     if opts.get("verify_mode", "inline") == "deferred":
         return None
     if opts.get("agent_name") and not (opts.get("model_base_url") or opts.get("policy_base_url")):
@@ -42,6 +43,18 @@ def prewarm_from_argv(argv: list[str]) -> threading.Thread | None:
                               name="verify-pool-prewarm", daemon=True)
     thread.start()
     return thread
+
+
+def split_verifier_pool(engine_processes) -> None:
+    """+engine_processes=N: each of the N processes gets its own verifier pool, so each pool gets 1/N of the
+    cores (VERIFY_POOL_PROCESSES, read by the settings and inherited by the children), not N pools of every core.
+    An explicit VERIFY_POOL_PROCESSES is kept."""
+    try:
+        n = int(engine_processes or 1)
+    except ValueError:
+        return  # the command says what is wrong with the value
+    if n > 1 and not os.environ.get("VERIFY_POOL_PROCESSES"):
+        os.environ["VERIFY_POOL_PROCESSES"] = str(max(1, -(-(os.cpu_count() or 1) // n)))
 
 
 def _warm(verifier: str, size: int | None, fast: bool) -> None:

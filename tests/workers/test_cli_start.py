@@ -51,3 +51,19 @@ def test_the_command_still_exits_with_its_status_and_message():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert "no_such_key" in p.stderr
+
+
+def test_engine_processes_split_the_cores_between_their_verifier_pools(monkeypatch):
+    monkeypatch.setattr(cli_start, "_warm", lambda *a: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    argv = ["manage.py", "collect_rollouts", "+input_jsonl_fpath=x", "+engine_processes=3"]
+    monkeypatch.delenv("VERIFY_POOL_PROCESSES", raising=False)
+    cli_start.prewarm_from_argv(argv)
+    assert os.environ["VERIFY_POOL_PROCESSES"] == "6"  # ceil(16 / 3) each, not 3 pools of 16
+    monkeypatch.setenv("VERIFY_POOL_PROCESSES", "2")  # the operator's own figure is kept
+    cli_start.prewarm_from_argv(argv)
+    assert os.environ["VERIFY_POOL_PROCESSES"] == "2"
+    monkeypatch.delenv("VERIFY_POOL_PROCESSES")
+    for value in ("1", "two"):  # one process, or a bad value (the command says what is wrong): untouched
+        cli_start.prewarm_from_argv(argv[:-1] + [f"+engine_processes={value}"])
+        assert "VERIFY_POOL_PROCESSES" not in os.environ
