@@ -16,6 +16,10 @@ end to end). The machine's load is printed with every run.
 
     .venv/bin/python -m bench.bench_cli                                  # the issue's 16 cells, 1 pair each
     .venv/bin/python -m bench.bench_cli -n 3000 -c 64 --latency-ms 0 --pairs 3
+
+--arms A,B picks the two sides compared (default bare,product): `pN` is the product with +engine_processes=N,
+e.g. `--arms p1,p2 --runs rerun` measures one engine process against two (the ratio is A's wall / B's). With two
+product arms the pair's file is loaded as a dataset before the pair (untimed: a +limit=1 run), so both reuse it.
 """
 from __future__ import annotations
 
@@ -72,14 +76,22 @@ def bare_cmd(sim_url, path, n, conc) -> list[str]:
             "-n", str(n), "-c", str(conc), "--max-tokens", str(MAX_TOKENS), "--verify", "--json"]
 
 
-def product_cmd(sim_url, path, out, conc, rerun: bool) -> list[str]:
+def product_cmd(sim_url, path, out, conc, rerun: bool, processes: int | None = None) -> list[str]:
     cmd = [sys.executable, "manage.py", "collect_rollouts", f"+input_jsonl_fpath={path}",
            f"+output_jsonl_fpath={out}", f"+model_base_url={sim_url}/v1", f"+model_name={MODEL}",
            f"+num_samples_in_parallel={conc}", f"+responses_create_params.max_output_tokens={MAX_TOKENS}",
            "+verifier=math"]
     if rerun:
         cmd.append("+resume=false")
+    if processes is not None:
+        cmd.append(f"+engine_processes={processes}")
     return cmd
+
+
+def arm_cmd(arm, sim_url, path, out, n, conc, rerun: bool) -> list[str]:
+    if arm == "bare":
+        return bare_cmd(sim_url, path, n, conc)
+    return product_cmd(sim_url, path, out, conc, rerun, None if arm == "product" else int(arm[1:]))
 
 
 def load() -> str:
@@ -94,10 +106,15 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-ms", type=ints, default=[0, 200])
     ap.add_argument("--runs", default="first,rerun")
     ap.add_argument("--pairs", type=int, default=1, help="interleaved bare/product pairs per cell")
+    ap.add_argument("--arms", default="bare,product", help="the two sides: bare, product or pN (the product with "
+                    "+engine_processes=N); ratio = first's wall / second's")
     ap.add_argument("--db", default="", help="product database URL (default: a fresh SQLite file, the laptop default)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if len(arms) != 2 or not all(a in ("bare", "product") or (a[:1] == "p" and a[1:].isdigit()) for a in arms):
+        ap.error("--arms: two of bare, product, pN")
 
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_cli_") as tmp:
@@ -120,13 +137,15 @@ def main(argv=None) -> int:
                             seed += 1
                             path = tmp / f"tasks_{n}_{seed}.jsonl"
                             make_file(path, n, seed)
+                            if "bare" not in arms:  # both arms reuse the dataset: load it before, untimed
+                                subprocess.run(product_cmd(sim_url, path, tmp / f"prime_{seed}.jsonl", conc, True)
+                                               + ["+limit=1"], cwd=REPO, env=env, check=True, capture_output=True)
                             for run in args.runs.split(","):
-                                out = tmp / f"out_{seed}_{run}.jsonl"
-                                sides = ["bare", "product"] if pair % 2 == 0 else ["product", "bare"]
+                                sides = list(arms) if pair % 2 == 0 else arms[::-1]
                                 row = {"tasks": n, "par": conc, "latency_ms": lat, "run": run, "pair": pair}
                                 for side in sides:
-                                    cmd = (bare_cmd(sim_url, path, n, conc) if side == "bare" else
-                                           product_cmd(sim_url, path, out, conc, rerun=(run == "rerun")))
+                                    out = tmp / f"out_{seed}_{run}_{side}.jsonl"
+                                    cmd = arm_cmd(side, sim_url, path, out, n, conc, rerun=(run == "rerun"))
                                     row[side] = timed(cmd, env, sim_url, args.timeout)
                                     row[side]["load"] = load()
                                     if side == "bare":
@@ -135,28 +154,29 @@ def main(argv=None) -> int:
                                         row[side].pop("out")
                                         ok = sum(1 for _ in open(out))
                                     row[side]["ok"] = ok
-                                row["ratio"] = row["bare"]["wall"] / row["product"]["wall"]
+                                row["ratio"] = row[arms[0]]["wall"] / row[arms[1]]["wall"]
                                 results.append(row)
                                 for side in sides:
                                     r = row[side]
                                     print(f"{n:>6} {conc:>4} {lat:>6} {run:>5} {pair:>4} {side:>7} {r['wall']:7.2f} "
-                                          f"{r['first']:10.2f} {row['ratio'] if side == 'product' else 1:6.2f} "
+                                          f"{r['first']:10.2f} {row['ratio'] if side == arms[1] else 1:6.2f} "
                                           f"{r['load']:>5}  ok={r['ok']}", flush=True)
         finally:
             sim.terminate()
             sim.wait(10)
 
-    print("\nper cell: median ratio bare wall / product wall (>= 1.0 means the whole command is as fast)")
-    print(f"{'tasks':>6} {'par':>4} {'lat ms':>6} {'run':>5} {'bare s':>7} {'product s':>9} {'ratio':>6} "
-          f"{'1st req s (product)':>19} {'>= 1.0':>6}")
+    a, b = arms
+    print(f"\nper cell: median ratio {a} wall / {b} wall (>= 1.0 means {b} is as fast)")
+    print(f"{'tasks':>6} {'par':>4} {'lat ms':>6} {'run':>5} {a + ' s':>9} {b + ' s':>9} {'ratio':>6} "
+          f"{'1st req s (' + b + ')':>19} {'>= 1.0':>6}")
     cells: dict = {}
     for r in results:
         cells.setdefault((r["tasks"], r["par"], r["latency_ms"], r["run"]), []).append(r)
     for (n, conc, lat, run), rs in cells.items():
         ratio = statistics.median(r["ratio"] for r in rs)
-        print(f"{n:>6} {conc:>4} {lat:>6} {run:>5} {statistics.median(r['bare']['wall'] for r in rs):7.2f} "
-              f"{statistics.median(r['product']['wall'] for r in rs):9.2f} {ratio:6.2f} "
-              f"{statistics.median(r['product']['first'] for r in rs):19.2f} {'yes' if ratio >= 1.0 else 'NO':>6}")
+        print(f"{n:>6} {conc:>4} {lat:>6} {run:>5} {statistics.median(r[a]['wall'] for r in rs):9.2f} "
+              f"{statistics.median(r[b]['wall'] for r in rs):9.2f} {ratio:6.2f} "
+              f"{statistics.median(r[b]['first'] for r in rs):19.2f} {'yes' if ratio >= 1.0 else 'NO':>6}")
     print(f"load average at end: {'%.1f %.1f %.1f' % os.getloadavg()} (2 cores, shared)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
