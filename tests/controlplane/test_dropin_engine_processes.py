@@ -53,9 +53,9 @@ def _pids(owners) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_two_processes_share_the_chunks_and_write_each_rollout_once(simulator_factory, tmp_path, capsys):
-    # ~9 s of requests in one process (120 rollouts, 4 in flight, 300 ms each): the child (spawned, Django set up)
+    # ~12 s of requests in one process (120 rollouts, 4 in flight, 400 ms each): the child (spawned, Django set up)
     # is taking chunks long before the command's process could have run them all
-    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)
+    sim = simulator_factory(ttft_ms=400, itl_ms=0, jitter=0, seed=0)
     inp = write_math(tmp_path / "tasks.jsonl", 60)
     out = tmp_path / "rollouts.jsonl"
     call_command("collect_rollouts", *cli_args(inp, out, sim.url, "+num_samples_in_parallel=4",
@@ -86,7 +86,7 @@ def test_two_processes_share_the_chunks_and_write_each_rollout_once(simulator_fa
 @pytest.mark.django_db(transaction=True)
 def test_sigterm_stops_every_process_then_a_rerun_resumes_exactly_once(simulator_factory, tmp_path):
     n_tasks, repeats = 60, 2
-    sim = simulator_factory(ttft_ms=150, itl_ms=0, jitter=0, seed=0)
+    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)  # ~9 s in one process: the child starts in time
     inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
     out = tmp_path / "rollouts.jsonl"
     args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+engine_processes=2")
@@ -136,7 +136,7 @@ def test_sigterm_stops_every_process_then_a_rerun_resumes_exactly_once(simulator
 @pytest.mark.django_db(transaction=True)
 def test_a_killed_child_leaves_its_chunk_to_the_command(simulator_factory, tmp_path):
     n_tasks, repeats = 60, 2
-    sim = simulator_factory(ttft_ms=150, itl_ms=0, jitter=0, seed=0)
+    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)  # ~9 s in one process: the child starts in time
     inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
     out = tmp_path / "rollouts.jsonl"
     args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+engine_processes=2")
@@ -157,6 +157,7 @@ def test_a_killed_child_leaves_its_chunk_to_the_command(simulator_factory, tmp_p
                 p.kill()
     log_text = (tmp_path / "run.log").read_text()
     assert rc == 0, log_text
+    assert "ended (exit -9) holding it; run here instead" in log_text, log_text  # not by the lease's expiry
     job.refresh_from_db()
     assert job.state == JobState.COMPLETED
     assert_exactly_once(job, n_tasks * repeats)
@@ -165,11 +166,11 @@ def test_a_killed_child_leaves_its_chunk_to_the_command(simulator_factory, tmp_p
 
 @pytest.mark.slow
 def test_two_processes_on_the_sqlite_default(simulator_factory, tmp_path):
-    sim = simulator_factory(ttft_ms=100, itl_ms=0, jitter=0, seed=0)
+    sim = simulator_factory(ttft_ms=400, itl_ms=0, jitter=0, seed=0)  # ~12 s in one process: the child starts in time
     inp = write_math(tmp_path / "tasks.jsonl", 60)
     out = tmp_path / "rollouts.jsonl"
     var = tmp_path / "var"
-    cmd = [sys.executable, "manage.py", "collect_rollouts", *cli_args(inp, out, sim.url, "+num_samples_in_parallel=8",
+    cmd = [sys.executable, "manage.py", "collect_rollouts", *cli_args(inp, out, sim.url, "+num_samples_in_parallel=4",
                                                                      "+engine_processes=2", "+chunk_size=5")]
     proc = subprocess.run(cmd, cwd=REPO, env=_fresh_checkout_env(var, JOBS_FLUSH_ROWS="2"), capture_output=True,
                           text=True, timeout=240)
