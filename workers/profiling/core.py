@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import pickle
+import random
 import socket
 import threading
 import time
@@ -226,6 +227,7 @@ class _PoolState:
         self.t_all = 0.0  # all verification time of the session
         self.u_ema = None  # recent unprofiled time per call (a moving average: forgets a slow first call)
         self.just_profiled = False  # the last verification was profiled: the next one runs plain
+        self.countdown = 0  # unprofiled verifications still to run before the budget is looked at again
         self.spent = 0.0  # extra time spent profiling (slower profiled calls, and reading the stats)
         self.read_est = READ_EST_S  # what the next read of the stats will cost (the last read's cost)
         self.flush_s = FLUSH_S
@@ -242,6 +244,7 @@ class _PoolState:
         self.w_time += dt
         self.t_all += dt
         self.just_profiled = profiled
+        self.countdown = 0 if profiled else max(0, self.countdown - n)
         if profiled:
             self.w_prof += n
             self.n_prof_all += n
@@ -265,18 +268,32 @@ class _PoolState:
             return None
         if self.n_plain < 5:  # the unprofiled time per call first
             return 5 - self.n_plain
+        if self.countdown:
+            # the gap chosen last time, counted down across batches: the budget is looked at again only when it
+            # has run out. Looked at again at each batch's start instead, it came due there more often than
+            # within a batch whenever verifications ran slower than the moving average said (a loaded
+            # machine), and a batch's first item was profiled more often than its share
+            return self.countdown
         if self.just_profiled:
             # never two profiled in a row: the unprofiled time per call, which the cost of profiling is measured
             # against, must keep being measured (were it stale, e.g. held a slow warm-up, every profiled call
             # would look free and the gate would profile everything)
             n = self._plain_needed()
-            return None if n is None else max(1, n)
+            if n is None:
+                return None
+            # and the gap drawn from [n, 2n]: a fixed gap aliases with a workload's period (a batch of one cold
+            # item, then nine warm: a gap of 1 profiled only the warm ones, a gap of 9 only the cold)
+            n = max(1, n)
+            self.countdown = n + _gaps.randint(0, n)
+            return self.countdown
         if self.n_prof_all == 0:
             # one per session whatever the budget: a session has a profile even of a verifier so fast that its
             # whole budget would never pay for one read of the stats. A one-off cost (one profiled call and one
             # read, a few ms), not one per verification or per window
             return 0
-        return self._plain_needed()
+        n = self._plain_needed()
+        self.countdown = n or 0
+        return n
 
     def _plain_needed(self) -> int | None:
         u, p = self.per_item()  # both known: asked only after the baseline and a first profiled call
@@ -285,8 +302,13 @@ class _PoolState:
         # AIM of the budget: the budget is a ceiling, and what the gate cannot measure (pickling the rows back,
         # caches the profiled call evicts, the error of its own estimate) takes the rest. `need`: the
         # verification time still to run before the next profiled call is within the budget
-        need = (self.spent + self.read_est + expected) / (AIM * self.budget / 100.0) - self.t_all
+        rate = AIM * self.budget / 100.0
+        need = (self.spent + self.read_est + expected) / rate - self.t_all
         if need <= 0:
+            # budget left unused is not banked past this call: after verifications that ran long (a loaded
+            # machine) it would pay for a burst of profiled calls, and a window's few samples would then decide
+            # the scaled figures of thousands of verifications
+            self.spent = max(self.spent, rate * self.t_all - self.read_est - expected)
             return 0
         if not u or u <= 0:
             return None
@@ -294,6 +316,7 @@ class _PoolState:
 
 
 _STATE = _PoolState()
+_gaps = random.Random()  # the sampler's jitter (plain_before_next)
 
 
 def _start_session(st: _PoolState, cfg) -> None:
