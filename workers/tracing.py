@@ -146,10 +146,11 @@ class RunTracer:
         if rec is None:
             return
         # a compact record: the values of ROLLOUT_ATTRS, named in the exporter process (no dict per rollout here)
+        ok = bool(result.ok)
         attributes = (
             rec[3],
             rec[4],
-            bool(result.ok),
+            ok,
             result.attempts,
             result.failure_class,
             result.reward,
@@ -164,7 +165,7 @@ class RunTracer:
             result.wall_ms,
             True if abandoned else None,
         )
-        error = "" if abandoned or result.ok else (result.error or result.failure_class)[:200]
+        error = "" if abandoned or ok else (result.error or result.failure_class)[:200]
         self._finish(rec, attributes, error)
 
     def _finish(self, rec: list, attributes: tuple, error: str) -> None:
@@ -209,6 +210,36 @@ class RunTracer:
         ]
         rec.append(span)
         return span
+
+    def request(self, result, url: str) -> tuple[list | None, str]:
+        """The span of one model request of the rollout (a child of its span, attributes `url.full` and
+        `request.attempt`) and the `traceparent` header naming it, in one call (the engine's hot path); (None, "")
+        when the rollout records none. End it with `request_done` (or `end` when it failed)."""
+        rec = self._rollouts.get(id(result))
+        if rec is None:
+            return None, ""
+        span_id = _getrandbits(64) or 1
+        span = [
+            "request",
+            rec[0],
+            span_id,
+            rec[1],
+            2,
+            _time_ns(),
+            0,
+            {"url.full": url, "request.attempt": result.attempts},
+            "",
+            (),
+        ]
+        rec.append(span)
+        return span, f"00-{result.trace_id}-{span_id:016x}-01"
+
+    @staticmethod
+    def request_done(span: list, weight_version: str) -> None:
+        """End a request span of `request` that succeeded (`gen_ai.response.weight_version`: the answer's)."""
+        if not span[_END]:
+            span[_END] = _time_ns()
+            span[_ATTRS]["gen_ai.response.weight_version"] = weight_version
 
     @staticmethod
     def traceparent(result, span: list) -> str:

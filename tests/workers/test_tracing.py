@@ -72,3 +72,29 @@ def test_sampling_is_by_trace_id():
     assert 0.23 < share < 0.27
     assert [sampled(t, 0.25) for t in ids[:500]] == [sampled(t, 0.25) for t in ids[:500]]  # a function of the id
     assert all(sampled(t, 1.0) for t in ids[:100]) and not any(sampled(t, 0.0) for t in ids[:100])
+
+
+def test_request_span_and_its_traceparent():
+    """The engine's one-call request span: the header it returns names that span under the rollout's trace, and
+    the span ends with the answer's weight version; an unsampled rollout gets no span (the engine then sends a
+    plain traceparent)."""
+    import re
+
+    from workers.engine.types import RolloutResult
+
+    tracer = run_tracer(TraceConfig(mode="spans"))
+    result = RolloutResult(task_index=3, rollout_index=1, ok=False, output_row={}, trace_id="ab" * 16)
+    assert tracer.request(result, "http://m/v1/chat/completions") == (None, "")  # its rollout span not started
+    tracer.rollout_start(result)
+    span, header = tracer.request(result, "http://m/v1/chat/completions")
+    m = re.fullmatch(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01", header)
+    assert m and m.group(1) == result.trace_id and int(m.group(2), 16) == span[2] != 0
+    assert span[0] == "request" and span[1] == int(result.trace_id, 16) and span[4] == 2 and span[6] == 0
+    assert span[7] == {"url.full": "http://m/v1/chat/completions", "request.attempt": 1}
+    tracer.request_done(span, "v7")
+    assert span[6] >= span[5] > 0 and span[7]["gen_ai.response.weight_version"] == "v7"
+    ended = span[6]
+    tracer.request_done(span, "v8")  # ending twice changes nothing
+    assert span[6] == ended and span[7]["gen_ai.response.weight_version"] == "v7"
+    second, header2 = tracer.request(result, "http://m/v1/chat/completions")
+    assert second[2] != span[2] and header2 != header  # a span (and a traceparent) per attempt

@@ -454,8 +454,9 @@ class CollectionRun:
         tracer = self.tracer
         if tracer is None:
             return await self._send(url, body, result, traceparent(result.trace_id))  # W3C: one span per attempt
-        span = tracer.child(result, "request", {"url.full": url, "request.attempt": result.attempts})
-        header = traceparent(result.trace_id) if span is None else tracer.traceparent(result, span)
+        span, header = tracer.request(result, url)  # one call: the request span and its traceparent
+        if span is None:  # a rollout outside the sample
+            return await self._send(url, body, result, traceparent(result.trace_id))
         try:
             response = await self._send(url, body, result, header)
         except AttemptError as err:
@@ -464,7 +465,7 @@ class CollectionRun:
         except BaseException as exc:
             tracer.end(span, type(exc).__name__)
             raise
-        tracer.end(span, "", {"gen_ai.response.weight_version": result.weight_version})
+        tracer.request_done(span, result.weight_version)
         return response
 
     async def _send(self, url: str, body: dict, result: RolloutResult, parent: str) -> dict:
