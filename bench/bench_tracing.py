@@ -4,8 +4,13 @@ tracing off, on without an exporter (spans made and dropped: TRACING_MODE "spans
 
 Each round runs every arm once, in a rotated order, in this one process (one engine, one simulator process at
 zero latency by default, verifier "none" so that the engine's own work -- where the spans are made -- is the limit): a
-run collects `-n` rollouts at concurrency `-c`. Two arms run with tracing off ("off A", "off B"): their ratio
-is the measurement's own noise on a shared machine. Per arm, the median over the rounds of:
+run collects `-n` rollouts at concurrency `-c`, on the event loop and with the garbage collector's settings of a
+production run (workers.engine.loop.run, as the Celery task runs it: uvloop where installed, the collector tuned;
+`--loop asyncio` for asyncio's own). Under plain asyncio.run the collector keeps its default thresholds: a full
+collection of this process (30-45 ms, about one run in three at 3000 rollouts) then lands in whichever arm is
+running and moves its CPU per rollout by ~5 %, more than the overhead measured. Two arms run with tracing
+off ("off A", "off B"): their ratio is the measurement's own noise on a shared machine. Per arm, the median over
+the rounds of:
 
 * rollouts/s  rollouts / the run's wall time (the simulator shares the CPU, as a vLLM server would not);
 * CPU ms/rollout  this process's CPU time (every thread) per rollout: what the engine spends, less sensitive to
@@ -25,7 +30,6 @@ machine drifts between rounds, by up to 2x in throughput). Goal: overhead <= 2 %
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -41,6 +45,8 @@ if ROOT not in sys.path:
 from bench._common import CountingSink  # noqa: E402
 from tests.fixtures_simulator import start_simulator  # noqa: E402
 from workers.diagnosis.scenarios import rows_math, task_items  # noqa: E402
+from workers.engine.loop import loop_factory  # noqa: E402
+from workers.engine.loop import run as run_on_loop  # noqa: E402
 from workers.engine.runner import run_collection  # noqa: E402
 from workers.engine.types import CollectionSpec, EndpointSpec  # noqa: E402
 from workers.tracing import TraceConfig  # noqa: E402
@@ -127,6 +133,7 @@ def main():
         help="the simulator's time to first token (0: the worker's CPU is the limit, the worst case for tracing)",
     )
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the simulator's time between tokens (16 tokens)")
+    ap.add_argument("--loop", default="", help="uvloop or asyncio (default: the engine's, $ENGINE_EVENT_LOOP)")
     ap.add_argument("--json", help="write the runs and the table here")
     args = ap.parse_args()
 
@@ -139,11 +146,11 @@ def main():
     collector_url = col.stdout.readline().strip()
     runs: list[dict] = []
     try:
-        asyncio.run(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c))  # warm: imports, connections
+        run_on_loop(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c), args.loop)  # warm: imports
         for r in range(args.rounds):
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm in order:
-                res = asyncio.run(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c))
+                res = run_on_loop(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c), args.loop)
                 res["round"] = r
                 runs.append(res)
                 print(
@@ -172,6 +179,7 @@ def main():
 
     print(
         f"\nTracing overhead: {args.rounds} rounds x {args.n} rollouts at concurrency {args.c}, "
+        f"loop {'asyncio' if loop_factory(args.loop) is None else 'uvloop'}, "
         f"verifier none, simulator TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms x 16 tokens (medians)\n"
     )
     print(
