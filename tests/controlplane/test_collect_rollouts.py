@@ -392,6 +392,16 @@ def test_format_log_is_yappis_own_table(tmp_path):
     assert split(ours) == split(theirs)
 
 
+def test_format_log_keeps_each_rows_printed_mean():
+    """A row whose printed mean is not its printed total over its calls (yappi divides the unrounded total: 30 calls
+    of 0.062355 s in all print 0.002078 each, not 0.062355 / 30 = 0.002079) is written back as yappi wrote it."""
+    from workers.profiling.nemo_gym import format_log, parse_log
+
+    table = format_log(parse_log("name  ncall  tsub  ttot  tavg\nx.py:1 f  30  0.000073  0.062355  0.002078\n"))
+    row = check_log_columns(table)[0]
+    assert row.split()[-3:] == ["0.000073", "0.062355", "0.002078"], row
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_profiling_enabled_writes_nemo_gym_logs_the_seed_can_diff(simulator, tmp_path, capsys):

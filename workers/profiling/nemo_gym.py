@@ -84,7 +84,9 @@ def format_log(rows: list[FuncRow], clock: str = "cpu") -> str:
     out.write(sep)
     for r in sorted(rows, key=lambda r: (-r.ttot, r.module, r.line, r.name)):
         ncall = max(int(round(r.ncall)), 0)
-        tavg = r.ttot / ncall if ncall else r.tavg
+        # the row's own mean (every FuncRow keeps ttot / ncall; a parsed one, yappi's printed figure): worked out
+        # again from the printed, rounded ttot it can differ in its last digit from what yappi wrote
+        tavg = r.tavg if r.tavg or not ncall else r.ttot / ncall
         full = f"{r.module}:{r.line} {r.name}" if r.module else r.name
         cells = [yappi.StatString(full).ltrim(200), yappi.StatString(ncall).rtrim(10)]
         cells += [yappi.StatString(yappi._fft(v, 8)).rtrim(8) for v in (r.tsub, r.ttot, tavg)]
