@@ -3,8 +3,8 @@
 # on CPU with a tiny local model), starts what is down, and runs the whole suite.
 #   --quick (first argument, `make quick`): the unit and API tests only, without the slow tiers (markers
 #   vllm, browser, e2e, nemo_gym, slow in pytest.ini) and without setting up Chromium, vLLM or NeMo Gym.
-# The whole suite runs on TEST_WORKERS pytest-xdist workers (default 3: ~20 min instead of ~30 in one process on
-# 2 cores; TEST_WORKERS=0: in this one process), each with its own test database, Redis db (TEST_REDIS_URL's db minus
+# The whole suite runs on TEST_WORKERS pytest-xdist workers (default 3: ~13 min on 2 idle cores, ~30 in one
+# process; TEST_WORKERS=0: in this one process), each with its own test database, Redis db (TEST_REDIS_URL's db minus
 # the worker's number), queues and metrics directory (tests/parallel.py); one worker runs all of a heavy tier (NeMo
 # Gym, Chromium, vLLM) so its servers start once. `--quick` runs in one process unless TEST_WORKERS is set.
 # --tb=native on workers: pytest's own traceback format calls ast.parse, which CPython 3.11.7 can fail in an xdist
