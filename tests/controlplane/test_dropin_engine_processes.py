@@ -82,24 +82,41 @@ def test_two_processes_share_the_chunks_and_write_each_rollout_once(simulator_fa
         "spawn_main" not in " ".join(c.cmdline()) for c in psutil.Process().children())  # the child ended
 
 
+N_TASKS, REPEATS = 60, 2
+
+
+def _slow_two_process_args(simulator_factory, tmp_path):
+    """A 60-task job at 300 ms per request (~9 s in one process: the child starts in time) for two processes:
+    (the output file, the command's arguments)."""
+    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)
+    inp = write_math(tmp_path / "tasks.jsonl", N_TASKS)
+    out = tmp_path / "rollouts.jsonl"
+    return out, cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+engine_processes=2")
+
+
+def _wait_for(condition, proc, what: str, poll_s: float = 0.1) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline and proc.poll() is None, what
+        time.sleep(poll_s)
+
+
+def _spawned_children(pid: int) -> list:
+    return [c for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_sigterm_stops_every_process_then_a_rerun_resumes_exactly_once(simulator_factory, tmp_path):
-    n_tasks, repeats = 60, 2
-    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)  # ~9 s in one process: the child starts in time
-    inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
-    out = tmp_path / "rollouts.jsonl"
-    args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+engine_processes=2")
+    n_tasks, repeats = N_TASKS, REPEATS
+    out, args = _slow_two_process_args(simulator_factory, tmp_path)
     with open(tmp_path / "run1.log", "w") as log:
         p1 = _start_cli(args, log, JOBS_FLUSH_ROWS="2")
         try:
             job = _wait_rows({"name": "cli: math_agent"}, 1, p1)
-            deadline = time.monotonic() + 60  # until the child holds a chunk
-            while not JobChunk.objects.filter(job=job, state=JobChunk.State.RUNNING,
-                                              lease_owner__contains=":engine1:").exists():
-                assert time.monotonic() < deadline and p1.poll() is None, "the child never took a chunk"
-                time.sleep(0.1)
-            children = [c for c in psutil.Process(p1.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+            _wait_for(JobChunk.objects.filter(job=job, state=JobChunk.State.RUNNING,
+                                              lease_owner__contains=":engine1:").exists, p1, "the child never took a chunk")
+            children = _spawned_children(p1.pid)
             assert len(children) == 1
             p1.send_signal(signal.SIGTERM)  # the command only: it passes it on
             rc = p1.wait(timeout=60)
@@ -135,21 +152,16 @@ def test_sigterm_stops_every_process_then_a_rerun_resumes_exactly_once(simulator
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_killed_child_leaves_its_chunk_to_the_command(simulator_factory, tmp_path):
-    n_tasks, repeats = 60, 2
-    sim = simulator_factory(ttft_ms=300, itl_ms=0, jitter=0, seed=0)  # ~9 s in one process: the child starts in time
-    inp = write_math(tmp_path / "tasks.jsonl", n_tasks)
-    out = tmp_path / "rollouts.jsonl"
-    args = cli_args(inp, out, sim.url, "+num_samples_in_parallel=4", "+engine_processes=2")
+    n_tasks, repeats = N_TASKS, REPEATS
+    out, args = _slow_two_process_args(simulator_factory, tmp_path)
     with open(tmp_path / "run.log", "w") as log:
         # a lease timeout far longer than the run: the chunk comes back through the command, not lease expiry
         p = _start_cli(args, log, JOBS_FLUSH_ROWS="2", JOBS_LEASE_TIMEOUT_S="600")
         try:
             job = _wait_rows({"name": "cli: math_agent"}, 1, p)
-            deadline = time.monotonic() + 60
-            while not Rollout.objects.filter(job=job, worker__contains=":engine1:").exists():
-                assert time.monotonic() < deadline and p.poll() is None, "the child never stored a rollout"
-                time.sleep(0.05)
-            child = next(c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline()))
+            _wait_for(Rollout.objects.filter(job=job, worker__contains=":engine1:").exists, p,
+                      "the child never stored a rollout", poll_s=0.05)
+            child = _spawned_children(p.pid)[0]
             child.kill()
             rc = p.wait(timeout=120)
         finally:
