@@ -481,7 +481,7 @@ class Command(BaseCommand):
         from controlplane.jobs.models import Rollout
 
         by_worker = dict(Rollout.objects.filter(job=job).values_list("worker").annotate(n=Count("id")).order_by())
-        counts = [sum(n for w, n in by_worker.items() if w == names[0])]
+        counts = [by_worker.get(names[0], 0)]
         counts += [sum(n for w, n in by_worker.items() if w.startswith(prefix)) for prefix in names[1:]]
         return (f"Engine processes: {len(names)}; rollouts stored this run by each: "
                 + ", ".join(str(c) for c in counts) + " (this one first)")
