@@ -99,6 +99,14 @@ def sampled(trace_id: str, ratio: float) -> bool:
     return ratio > 0.0 and (int(trace_id[-14:], 16) < ratio * (1 << 56))
 
 
+def _child_span(rec: list, name: str, kind: int, attributes: dict) -> list:
+    """A child span of the rollout record `rec` (its final tuple's layout; kind 2: client), started now and kept
+    with the rollout."""
+    span = [name, rec[0], _getrandbits(64) or 1, rec[1], kind, _time_ns(), 0, attributes, "", ()]
+    rec.append(span)
+    return span
+
+
 class RunTracer:
     """The spans of one engine run (one chunk). Cheap by design: while a rollout runs its spans are a list or two
     each; when it ends they become plain tuples (workers.tracing_export.SPAN_FIELDS), handed in batches to the
@@ -196,20 +204,7 @@ class RunTracer:
         rec = self._rollouts.get(id(result))
         if rec is None:
             return None
-        span = [
-            name,
-            rec[0],
-            _getrandbits(64) or 1,
-            rec[1],
-            2 if name == "request" else 0,
-            _time_ns(),
-            0,
-            attributes or {},
-            "",
-            (),
-        ]
-        rec.append(span)
-        return span
+        return _child_span(rec, name, 2 if name == "request" else 0, attributes or {})
 
     def request(self, result, url: str) -> tuple[list | None, str]:
         """The span of one model request of the rollout (a child of its span, attributes `url.full` and
@@ -218,21 +213,8 @@ class RunTracer:
         rec = self._rollouts.get(id(result))
         if rec is None:
             return None, ""
-        span_id = _getrandbits(64) or 1
-        span = [
-            "request",
-            rec[0],
-            span_id,
-            rec[1],
-            2,
-            _time_ns(),
-            0,
-            {"url.full": url, "request.attempt": result.attempts},
-            "",
-            (),
-        ]
-        rec.append(span)
-        return span, f"00-{result.trace_id}-{span_id:016x}-01"
+        span = _child_span(rec, "request", 2, {"url.full": url, "request.attempt": result.attempts})
+        return span, f"00-{result.trace_id}-{span[2]:016x}-01"
 
     @staticmethod
     def request_done(span: list, weight_version: str) -> None:
