@@ -1,9 +1,10 @@
 """What OpenTelemetry tracing costs the collection (issue 27, "Bench"): the engine against the simulator with
 tracing off, on without an exporter (spans made and dropped: TRACING_MODE "spans") and on with OTLP export
-(batched protobuf over HTTP to a collector in a process of its own), interleaved.
+(batched protobuf over HTTP to a collector in a process of its own, which keeps the requests and decodes them
+after the runs, as a collector on another host would spend its CPU there), interleaved.
 
-Each round runs every arm once, in a rotated order, in this one process (one engine, one simulator process at
-zero latency by default, verifier "none" so that the engine's own work -- where the spans are made -- is the limit): a
+Each round runs every arm once, in an order shuffled per round (seeded: no arm always follows the same one), in
+this one process (one engine, one simulator process at zero latency by default, verifier "none" so that the engine's own work -- where the spans are made -- is the limit): a
 run collects `-n` rollouts at concurrency `-c`, on the event loop and with the garbage collector's settings of a
 production run (workers.engine.loop.run, as the Celery task runs it: uvloop where installed, the collector tuned;
 `--loop asyncio` for asyncio's own). Under plain asyncio.run the collector keeps its default thresholds: a full
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -65,9 +67,10 @@ COLLECTOR = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, %r)
     from tests.otlp_collector import start_collector
-    col = start_collector(decode=True)
+    col = start_collector(decode="later")  # decoded after the runs: a collector's CPU is not the worker's
     print(col.url, flush=True)
     sys.stdin.readline()
+    col.decode_kept()
     print(col.requests, len(col.spans), col.bytes, flush=True)
 """)
 
@@ -148,7 +151,8 @@ def main():
     try:
         run_on_loop(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c), args.loop)  # warm: imports
         for r in range(args.rounds):
-            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
+            order = list(ARMS)
+            random.Random(r).shuffle(order)  # no arm always follows the same one (what ran before moves the next)
             for arm in order:
                 res = run_on_loop(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c), args.loop)
                 res["round"] = r
