@@ -67,3 +67,30 @@ def test_engine_processes_split_the_cores_between_their_verifier_pools(monkeypat
     for value in ("1", "two"):  # one process, or a bad value (the command says what is wrong): untouched
         cli_start.prewarm_from_argv(argv[:-1] + [f"+engine_processes={value}"])
         assert "VERIFY_POOL_PROCESSES" not in os.environ
+
+
+KILL_AND_EXIT = """
+import os, sys
+from workers.engine.verify_pool import VerifyPool
+pool = VerifyPool()
+executor = pool.executor(1)
+assert executor.submit(int, "7").result(timeout=60) == 7
+names = [getattr(q, a)._semlock.name for q in (executor._call_queue, executor._result_queue)
+         for a in ("_rlock", "_wlock", "_sem") if hasattr(q, a)]
+print(" ".join(names), flush=True)
+pool.kill()  # what the command's quick exit does, then no interpreter teardown
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_quick_exit_leaves_no_semaphores_and_no_warning():
+    """The command kills its verifier pool and leaves without teardown; the pool's named semaphores are removed
+    first, so multiprocessing's resource tracker has nothing to warn about after the summary."""
+    p = subprocess.run([sys.executable, "-c", KILL_AND_EXIT], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    names = p.stdout.split()
+    assert len(names) == 5  # the call queue's two locks and bound, the result queue's two locks
+    assert "leaked semaphore" not in p.stderr
+    left = [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
+    assert not left

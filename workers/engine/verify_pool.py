@@ -145,13 +145,16 @@ class VerifyPool:
         executor._engine_warm = True
 
     def kill(self) -> None:
-        """Kill the verifier processes at once (a process about to exit: nothing waits for them)."""
+        """Kill the verifier processes at once (a process about to exit: nothing waits for them), and remove the
+        pool's named semaphores: without a shutdown nothing else does, and multiprocessing's resource tracker
+        then warns at exit of "5 leaked semaphore objects" (and removes them itself)."""
         executor = self._executor
         for proc in list((getattr(executor, "_processes", None) or {}).values()):
             try:
                 proc.kill()
             except Exception:  # noqa: BLE001
                 pass
+        _unlink_semaphores(executor)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the verifier processes (the next `executor()` starts new ones)."""
@@ -166,6 +169,22 @@ class VerifyPool:
             if self._executor is executor:
                 self._executor = None
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _unlink_semaphores(executor) -> None:
+    """Unlink the named semaphores of a killed pool's queues (their locks and the call queue's bound)."""
+    from multiprocessing.synchronize import SemLock
+
+    for queue_name in ("_call_queue", "_result_queue"):
+        q = getattr(executor, queue_name, None)
+        for lock_name in ("_rlock", "_wlock", "_sem"):
+            lock = getattr(q, lock_name, None)
+            name = getattr(getattr(lock, "_semlock", None), "name", None)
+            if name:
+                try:
+                    SemLock._cleanup(name)  # sem_unlink, and the resource tracker forgets it
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
 
 
 SHARED_VERIFY_POOL = VerifyPool()
