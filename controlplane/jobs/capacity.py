@@ -24,7 +24,6 @@ import threading
 import time
 from datetime import timedelta
 
-from celery import current_app
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 from django.utils import timezone
@@ -206,7 +205,9 @@ def requeued_over_share(chunk_id) -> bool:
     delay = settings.JOBS_FAIR_SHARE_RETRY_S
     # dispatched again now: the watchdog must not take the waiting chunk for a lost message
     JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.PENDING).update(dispatched_at=timezone.now())
-    current_app.tasks[RUN_CHUNK_TASK].apply_async((chunk_id,), countdown=delay, queue=queue_of(chunk.job))
+    from controlplane.celery import app
+
+    app.tasks[RUN_CHUNK_TASK].apply_async((chunk_id,), countdown=delay, queue=queue_of(chunk.job))
     logger.info("job %s chunk %s: its owner holds their fair share of the workers while others wait; "
                 "queued again in %g s", chunk.job_id, chunk.index, delay)
     return True

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from celery import current_app
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
@@ -45,7 +44,9 @@ __all__ = [
 def send_task(name, *args, queue=None):
     """Send a registered Celery task (honours task_always_eager; the jobs app registers its tasks when ready)
     to `queue`, or to the default queue when None."""
-    task = current_app.tasks[name]
+    from controlplane.celery import app  # created here where nothing has (the drop-in CLI)
+
+    task = app.tasks[name]
     return task.apply_async(args, queue=queue) if queue else task.delay(*args)
 
 
