@@ -27,6 +27,7 @@ from datetime import timedelta
 
 from django.db import connection
 from django.db.models import Count, Q, Sum
+from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from .models import JobMetricSample, Rollout
@@ -83,8 +84,13 @@ def _span(stamps: list[tuple], lo=None, hi=None) -> float:
 
 
 def _stamps(qs) -> list[tuple]:
-    """[(t, elapsed_s, busy_s)] of the samples with requests in flight, by time (_span's input)."""
-    return list(qs.filter(in_flight__gt=0).order_by("t").values_list("t", "elapsed_s", "extra__busy_s"))
+    """[(t, elapsed_s, busy_s)] of the samples with requests in flight, by time (_span's input).
+    busy_s is read through an annotation, not values_list("extra__busy_s"): Django resolves that name by trying
+    "extra__busy_s" as a field first, and the FieldError it catches keeps its traceback in a reference cycle
+    (~230 objects). A chunk run reads this every progress tick (live_figures): cyclic garbage that waited for a
+    full collection, fragmenting the worker's heap, whose RSS grew ~4 MB per 100k rollouts."""
+    return list(qs.filter(in_flight__gt=0).annotate(_busy_s=KeyTransform("busy_s", "extra")).order_by("t")
+                .values_list("t", "elapsed_s", "_busy_s"))
 
 
 # _lead_in in SQL: d, the gap before the sample (NULL: none); e, its elapsed_s; b, its extra's busy_s

@@ -3,6 +3,8 @@ running time with pauses excluded, average and recent rate. Runs one after anoth
 pause, and a killed worker's unstored results never inflate a figure."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 from django.utils import timezone
 
@@ -205,3 +207,22 @@ def test_a_late_first_tick_still_counts_the_run_from_its_first_request(alice, mo
     assert figures.running_seconds_many([job])[job.pk] == pytest.approx(30.0, abs=0.01)  # History
     # the recent window [45.5, 55.5]: chunk 1's last 2 s, then chunk 2 from the end of the silence: all 10 s
     assert figures._recent_span(job.pk, at(55.5)) == pytest.approx(10.0, abs=0.01)
+
+
+def test_reading_the_samples_leaves_no_reference_cycles(alice):
+    """A chunk run reads its job's samples every progress tick (live_figures -> _stamps): garbage in reference
+    cycles there (a caught FieldError's traceback, reading "extra__busy_s") waited for a full collection and
+    grew the worker's heap with the job."""
+    job = _job(alice)
+    _late_run(job, "w chunk 0", timezone.now() - TD(seconds=20), 3, 2.0)
+    qs = JobMetricSample.objects.filter(job_id=job.pk)
+    figures._stamps(qs)  # first use: caches filled once
+    gc.collect()
+    gc.disable()
+    try:
+        stamps = figures._stamps(qs)
+        cyclic = gc.collect()
+    finally:
+        gc.enable()
+    assert [busy for _, _, busy in stamps] == [2.0, 3.0, 4.0]
+    assert cyclic == 0
