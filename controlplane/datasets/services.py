@@ -47,9 +47,10 @@ def iter_task_rows(dataset, start: int = 0, end: int | None = None,
     qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
     if end is not None:
         qs = qs.filter(index__lt=end)
-    for index, data, task_index, occurrence in (qs.order_by("index")
-                                                .values_list("index", "data", "task_index", "occurrence")
-                                                .iterator(chunk_size=chunk_size)):
+    rows = qs.order_by("index").values_list("index", "data", "task_index", "occurrence")
+    if end is None or end - start > chunk_size:  # a server-side cursor only where the range may be large: for a
+        rows = rows.iterator(chunk_size=chunk_size)  # page (ChunkTasks) it cost a DECLARE/FETCH/CLOSE each
+    for index, data, task_index, occurrence in rows:
         if task_index is None:
             task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
         yield task_index, occurrence, data
