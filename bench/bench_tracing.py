@@ -3,15 +3,15 @@ tracing off, on without an exporter (spans made and dropped: TRACING_MODE "spans
 (batched protobuf over HTTP to a collector in a process of its own, which keeps the requests and decodes them
 after the runs, as a collector on another host would spend its CPU there), interleaved.
 
-Each round runs every arm once, in an order shuffled per round (seeded: no arm always follows the same one), in
-this one process (one engine, one simulator process at zero latency by default, verifier "none" so that the engine's own work -- where the spans are made -- is the limit): a
-run collects `-n` rollouts at concurrency `-c`, on the event loop and with the garbage collector's settings of a
-production run (workers.engine.loop.run, as the Celery task runs it: uvloop where installed, the collector tuned;
-`--loop asyncio` for asyncio's own). Under plain asyncio.run the collector keeps its default thresholds: a full
-collection of this process (30-45 ms, about one run in three at 3000 rollouts) then lands in whichever arm is
-running and moves its CPU per rollout by ~5 %, more than the overhead measured. Two arms run with tracing
-off ("off A", "off B"): their ratio is the measurement's own noise on a shared machine. Per arm, the median over
-the rounds of:
+Each round runs every arm once, in an order shuffled per round (seeded: no arm always follows the same one), in this
+one process (one engine, one simulator process at zero latency by default, verifier "none" so that the engine's own
+work -- where the spans are made -- is the limit): a run collects `-n` rollouts at concurrency `-c`, on the event
+loop and with the garbage collector's settings of a production run (workers.engine.loop.run, as the Celery task runs
+it: uvloop where installed, the collector tuned; `--loop asyncio` for asyncio's own). Under plain asyncio.run the
+collector keeps its default thresholds: a full collection of this process (30-45 ms, about one run in three at 3000
+rollouts) then lands in whichever arm is running and moves its CPU per rollout by ~5 %, more than the overhead
+measured. Two arms run with tracing off ("off A", "off B"): their ratio is the measurement's own noise on a shared
+machine. Per arm, the median over the rounds of:
 
 * rollouts/s  rollouts / the run's wall time (the simulator shares the CPU, as a vLLM server would not);
 * CPU ms/rollout  this process's CPU time (every thread) per rollout: what the engine spends, less sensitive to
