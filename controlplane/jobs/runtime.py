@@ -137,15 +137,15 @@ def _mark_running(job_id):
     return job
 
 
-def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None) -> str:
+def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None) -> str:
     """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total.
-    on_stored(rows): see DbSink."""
-    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored)
+    on_stored(rows): see DbSink. summaries: see services.finalize_job."""
+    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored, summaries)
     record_chunk_run(outcome)
     return outcome
 
 
-def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None) -> str:
+def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None) -> str:
     """Run one chunk to its end. Returns the outcome:
     "done"        every pair of the chunk is stored (the job is finalized when it was the last chunk)
     "busy"        another live worker holds the lease (nothing done)
@@ -196,7 +196,7 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_s
         # Everything below is idempotent, so it is retried until the database answers (JOBS_DB_RETRY_S).
         ensure_usable_connection()
         return call_with_db_retry(_finish_chunk_run, chunk, job, lease, summary, sink, tasks, redispatch, control,
-                                  what=f"finishing chunk {chunk_id}")
+                                  summaries, what=f"finishing chunk {chunk_id}")
     except Exception as exc:
         logger.exception("chunk %s failed", chunk_id)
         try:
@@ -214,7 +214,7 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_s
         raise
 
 
-def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard=None) -> str:
+def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard=None, summaries=None) -> str:
     """After the engine returned: record the chunk's outcome (see run_chunk). Idempotent, so that it can be
     retried through a database restart. `guard` (capacity.ChunkGuard) says whether the run was stopped at its
     deadline or to give its owner's share back: the chunk is handed back ("deadline" / "yielded"), or, at a
@@ -265,13 +265,13 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard
     if job.open_ended:  # open-ended: the next chunks, as the buffer has room
         services.top_up_open_ended(job, launch=redispatch)
     if not JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
-        services.finalize_job(job, launch=redispatch)
+        services.finalize_job(job, launch=redispatch, summaries=summaries)
     return "done"
 
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
 def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None,
-                   on_stored=None, others_running=None):
+                   on_stored=None, others_running=None, summaries=None):
     """Run every unfinished chunk of the job in this process, with the same code path as the Celery
     task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
     (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
@@ -281,7 +281,8 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     `on_stored(rows)` receives each batch's newly stored rows right after it commits (the CLI's output files).
     `others_running()`, when given, says whether this run's own other engine processes are still at work
     (controlplane.jobs.engine_procs): chunks they hold are waited for as long as it is true, not counted as a
-    lease wait and never given up on. Returns the job, refreshed."""
+    lease wait and never given up on. `summaries`: a StoredRowSummaries that on_stored feeds (finalize_job
+    takes the job's summaries from it instead of reading the table back). Returns the job, refreshed."""
     worker_name = worker_name or default_worker_name("inline")
     wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
     job.refresh_from_db()
@@ -304,12 +305,12 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
             if job.state not in JobState.RUNNABLE:
                 break
             if not chunk_ids:
-                services.finalize_job(job, launch=False)
+                services.finalize_job(job, launch=False, summaries=summaries)
                 break
             progressed = False
             for chunk_id in chunk_ids:
                 outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False,
-                                    on_stored=on_stored)
+                                    on_stored=on_stored, summaries=summaries)
                 if outcome != "busy":
                     progressed = True
                 call_with_db_retry(job.refresh_from_db, what=f"reading job {job.pk}")

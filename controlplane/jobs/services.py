@@ -22,7 +22,7 @@ from django.utils import timezone
 from controlplane import limits
 from controlplane import operator as knobs
 from controlplane.datasets.models import Dataset
-from workers.engine.aggregate import AggregateAccumulator, TimingAccumulator
+from workers.engine.aggregate import AggregateAccumulator, StoredRowSummaries, TimingAccumulator
 from workers.engine.types import TIMING_FIELDS
 
 from . import openended, quantiles
@@ -416,12 +416,20 @@ def compute_summaries(job, batch_size=2000):
             timing.result(percentiles=lambda name, n: quantiles.timing_percentiles(job.pk, name, n)))
 
 
-def finalize_job(job, launch=True):
+def feed_summaries(summaries: StoredRowSummaries, rows: list[dict]) -> None:
+    """DbSink.on_stored's rows (sink._rollout_values) into a StoredRowSummaries (see finalize_job)."""
+    for r in rows:
+        summaries.add(r["status"] == Rollout.Status.OK, r["data"], r["rollout_index"],
+                      {name: r[name] for name in TIMING_FIELDS})
+
+
+def finalize_job(job, launch=True, summaries=None):
     """When every chunk is done: store aggregate metrics and the timing summary, then complete; a `fast` job
     gets its exact pass (a batch verification run) in the same transaction, sent to a worker when `launch`
     (the CLI's inline runner runs it itself). Idempotent and safe to call from several workers at once.
     Returns the job (refreshed). An open-ended job that is not stopping runs on: its next chunks are added
-    instead, as its buffer has room (top_up_open_ended)."""
+    instead, as its buffer has room (top_up_open_ended). `summaries`: a StoredRowSummaries fed with every row
+    this process stored; used instead of reading the table back when they are exactly its rows."""
     job.refresh_from_db(fields=["open_ended"])
     if openended.is_waiting(job):
         top_up_open_ended(job, launch=launch)
@@ -431,7 +439,8 @@ def finalize_job(job, launch=True):
         job.refresh_from_db()
         if job.state not in JobState.RUNNABLE or JobChunk.objects.filter(job_id=job.pk).exclude(state=JobChunk.State.DONE).exists():
             return job
-    aggregate_metrics, timing_summary = compute_summaries(job)
+    fed = summaries.result(Rollout.objects.filter(job_id=job.pk).count()) if summaries is not None else None
+    aggregate_metrics, timing_summary = fed or compute_summaries(job)
     from .nemo_gym import with_agent_aggregates  # a NeMo Gym job: the agents' own /aggregate_metrics too
 
     aggregate_metrics = with_agent_aggregates(job, aggregate_metrics)

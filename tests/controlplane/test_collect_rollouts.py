@@ -160,10 +160,18 @@ def assert_exactly_once(job, n):
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys):
+def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys, monkeypatch):
+    from controlplane.jobs import services
+
+    read_back = services.compute_summaries
+    calls = []
+    monkeypatch.setattr(services, "compute_summaries", lambda job, **kw: calls.append(job.pk) or read_back(job, **kw))
     inp = write_math(tmp_path / "tasks.jsonl", 30)
     out = tmp_path / "out" / "rollouts.jsonl"
     call_command("collect_rollouts", *cli_args(inp, out, simulator.url))
+    # the summaries were fed as the rows were stored: no second read of the table, the same figures
+    job = CollectionJob.objects.get()
+    assert calls == [] and (job.aggregate_metrics, job.timing_summary) == read_back(job)
     captured = capsys.readouterr()
     assert "Collecting rollouts" in captured.err and "it/s" in captured.err
     assert "60 ok, 0 failed of 60" in captured.out and "Mean reward:" in captured.out

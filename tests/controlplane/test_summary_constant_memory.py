@@ -114,3 +114,41 @@ print("RESULT " + json.dumps({"diffs": repr(diffs), "n": n, "ok": not diffs}))
 def test_summary_equals_in_memory_figures_on_sqlite(tmp_path):
     res = run_on_sqlite(CHILD, tmp_path)
     assert res["n"] > 60 and res["ok"], res
+
+
+def _fed_summaries(job, order_seed=3, max_rows=100_000, skip=0):
+    """A StoredRowSummaries fed the job's rows as the drop-in's on_stored does: out of order (shuffled),
+    `skip` rows left out."""
+    import random
+
+    from controlplane.jobs.models import Rollout
+    from controlplane.jobs.services import feed_summaries
+    from workers.engine.aggregate import StoredRowSummaries
+    from workers.engine.types import TIMING_FIELDS
+
+    rows = list(Rollout.objects.filter(job_id=job.pk).values("status", "data", "rollout_index", *TIMING_FIELDS))
+    random.Random(order_seed).shuffle(rows)
+    summaries = StoredRowSummaries(max_rows=max_rows)
+    for start in range(skip, len(rows), 37):  # in batches, as the sink stores them
+        feed_summaries(summaries, rows[start:start + 37])
+    return summaries
+
+
+@pytest.mark.django_db
+def test_summaries_fed_while_storing_equal_the_table_read_back():
+    """The drop-in's summaries, fed with each batch as it is stored (out of order), are the figures reading
+    the table back gives, to the last bit (majority@k's ties included); a table holding a row not fed, or a
+    job past the bound, gives None (finalize_job then reads the table)."""
+    from controlplane.jobs.models import Rollout
+    from controlplane.jobs.services import compute_summaries
+
+    job = build_job()
+    stored = Rollout.objects.filter(job_id=job.pk).count()
+    expected = compute_summaries(job)
+    for seed in (1, 2, 3):
+        got = _fed_summaries(job, order_seed=seed).result(stored)
+        assert got is not None
+        assert got[0] == expected[0] and got[1] == expected[1], seed
+    assert "majority@3" in expected[0] and "pass@3" in expected[0]
+    assert _fed_summaries(job, skip=1).result(stored) is None  # a row stored by someone else
+    assert _fed_summaries(job, max_rows=stored - 1).result(stored) is None

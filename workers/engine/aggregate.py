@@ -194,7 +194,9 @@ class AggregateAccumulator:
             arr = self.fields[key] = array("d")
         arr.append(float(value))
 
-    def add(self, row: dict) -> None:
+    def add(self, row: dict, order: int | None = None) -> None:
+        """order: the row's repeat index, for rows that arrive out of (task, repeat) order; majority@k's
+        tie goes to the answer of the lowest repeat, as it does to the first seen of rows read in order."""
         self.num_rows += 1
         for key, value in row.items():
             if key in _SKIP:
@@ -229,10 +231,12 @@ class AggregateAccumulator:
                     group.answers = {}
                 slot = group.answers.get(str(answer))
                 if slot is None:
-                    group.answers[str(answer)] = [1, correct, len(group.answers)]
+                    group.answers[str(answer)] = [1, correct, len(group.answers) if order is None else order]
                 else:
                     slot[0] += 1
                     slot[1] = slot[1] or correct
+                    if order is not None and order < slot[2]:
+                        slot[2] = order
 
     def add_many(self, rows: Iterable[dict]) -> "AggregateAccumulator":
         for row in rows:
@@ -310,3 +314,57 @@ class TimingAccumulator:
             stats["count"] = len(arr)
             out[name] = stats
         return out
+
+
+class _StatsWithValues(AggregateAccumulator):
+    """keep_values=False's RunningStats per field, and the values beside them for the medians."""
+
+    def __init__(self):
+        super().__init__(keep_values=False)
+        self.values: dict[str, array] = {}
+
+    def _push(self, key: str, value: float):
+        super()._push(key, value)
+        arr = self.values.get(key)
+        if arr is None:
+            arr = self.values[key] = array("d")
+        arr.append(float(value))
+
+
+class StoredRowSummaries:
+    """The end-of-job summaries, fed with each row as it is stored, for a process that stores every row of
+    its job itself (the drop-in command): at the end it gives what reading the table back gives (the same
+    RunningStats, the medians and percentiles at the same ranks, majority@k's ties to the lowest repeat)
+    without that second read. Bounded: past `max_rows` rows it lets go of what it holds (8 bytes a value,
+    a small record a task) and `result` gives None, as it does when the table holds rows it was not fed."""
+
+    def __init__(self, max_rows: int = 100_000):
+        self.max_rows = max_rows
+        self.rows = 0
+        self.agg: _StatsWithValues | None = _StatsWithValues()
+        self.timing = TimingAccumulator(keep_values=False)
+        self.timing_values: dict[str, array] = {n: array("d") for n in TIMING_FIELDS}
+
+    def add(self, ok: bool, data: Any, rollout_index: int, timings: dict[str, float | None]) -> None:
+        """A stored row: ok (its status), its output row, its repeat index and its TIMING_FIELDS."""
+        self.rows += 1
+        if self.agg is None:
+            return
+        if self.rows > self.max_rows:
+            self.agg, self.timing_values = None, {}
+            return
+        self.timing.add(**timings)
+        for name, value in timings.items():
+            if value is not None and name in self.timing_values:
+                self.timing_values[name].append(float(value))
+        if ok:
+            self.agg.add(data, order=rollout_index)
+
+    def result(self, stored_rows: int) -> tuple[dict, dict] | None:
+        """(aggregate_metrics, timing_summary), or None when the job's table holds `stored_rows` rows and
+        they are not exactly the rows fed (a resumed job, another process's rows) or there were too many."""
+        agg = self.agg
+        if agg is None or stored_rows != self.rows:
+            return None
+        return (agg.result(medians=lambda key, n: quantile(sorted(agg.values[key]), 0.5)),
+                self.timing.result(percentiles=lambda name, n: timing_percentiles(self.timing_values[name])))

@@ -231,7 +231,8 @@ class Command(BaseCommand):
         from controlplane.jobs.models import CollectionJob, JobState
         from controlplane.jobs.outfiles import OutputFiles
         from controlplane.jobs.runtime import run_job_inline
-        from controlplane.jobs.services import get_or_create_job
+        from controlplane.jobs.services import feed_summaries, get_or_create_job
+        from workers.engine.aggregate import StoredRowSummaries
 
         out_path = Path(cfg["output_jsonl_fpath"])
         try:
@@ -357,7 +358,13 @@ class Command(BaseCommand):
         run_stats = {"lease_wait_s": 0.0}
         try:
             if job.state != JobState.COMPLETED:
-                job = self._run(job, run_job_inline, run_stats, on_stored=files.stored,
+                summaries = StoredRowSummaries()  # the end's summaries without reading the table back
+
+                def on_stored(rows):
+                    files.stored(rows)
+                    feed_summaries(summaries, rows)
+
+                job = self._run(job, run_job_inline, run_stats, on_stored=on_stored, summaries=summaries,
                                 processes=cfg["engine_processes"], quiet=verbosity < 2)
         finally:
             files.close()
@@ -387,7 +394,7 @@ class Command(BaseCommand):
         if job.state != JobState.COMPLETED:
             self._fail(f"job {job.pk} ended {job.state}; rerun the same command to resume it.", code=2)
 
-    def _run(self, job, run_job_inline: Callable, run_stats: dict, on_stored=None, processes: int = 1,
+    def _run(self, job, run_job_inline: Callable, run_stats: dict, on_stored=None, summaries=None, processes: int = 1,
              quiet: bool = True):
         import threading
 
@@ -430,7 +437,7 @@ class Command(BaseCommand):
                 from controlplane.jobs.engine_procs import EngineProcesses
 
                 pool = EngineProcesses(job, children, on_stored=on_stored, on_progress=on_progress, quiet=quiet).start()
-            job = run_job_inline(job, on_progress=on_progress, stats=run_stats, on_stored=on_stored,
+            job = run_job_inline(job, on_progress=on_progress, stats=run_stats, on_stored=on_stored, summaries=summaries,
                                  worker_name=self._worker_names[0],
                                  others_running=pool.others_running if pool else None)
             if pool is not None:
