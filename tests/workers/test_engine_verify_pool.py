@@ -53,6 +53,31 @@ async def test_batcher_matches_results_to_rollouts_and_batches_under_load(monkey
     assert batcher.inflight == 0 and not batcher.pending
 
 
+async def _submitted_batches(monkeypatch, processes: int, n: int, max_batch: int = 32) -> list[int]:
+    """The sizes of the batches a burst of n verifications went out in, on a pool of `processes`."""
+    monkeypatch.setattr(profiling_core, "_ACTIVE", None)
+    monkeypatch.setattr(profiling_core, "_GRACE_UNTIL", 0.0)
+    batcher = VerifyBatcher(asyncio.get_running_loop(), processes, max_batch=max_batch)
+    pool = get_verify_pool(processes)
+    real_submit, submits = pool.submit, []
+    monkeypatch.setattr(pool, "submit", lambda fn, items: submits.append(len(items)) or real_submit(fn, items))
+    futs = [batcher.verify("math", {"expected_answer": str(i)}, f"\\boxed{{{i}}}", {}, False) for i in range(n)]
+    assert [r.reward for r in await asyncio.gather(*futs)] == [1.0] * n
+    return submits
+
+
+@pytest.mark.slow
+async def test_a_burst_goes_out_in_small_batches_a_backlog_in_full_ones(monkeypatch):
+    # 64 answers landing at once (a 200 ms model latency) on 2 processes: no batch holds more than 1/SPREAD
+    # of a process's share of what waits, so results come back as batches finish, not in two halves
+    burst = await _submitted_batches(monkeypatch, 2, 64)
+    share = -(-61 // (2 * VerifyBatcher.SPREAD))  # 61 wait once the first 3 have gone out alone
+    assert sum(burst) == 64 and max(burst) <= share < 32 and len(burst) >= 3 + 61 // share, burst
+    # a backlog far bigger than the pool (a CPU-bound run): batches fill up to max_batch
+    backlog = await _submitted_batches(monkeypatch, 1, 300)
+    assert sum(backlog) == 300 and max(backlog) == 32, backlog
+
+
 @pytest.mark.slow
 async def test_pool_is_warm_before_the_first_request_and_verify_ms_is_clean(simulator):
     shutdown_verify_pool()  # a cold pool: processes start and import sympy / math-verify
