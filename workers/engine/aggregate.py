@@ -16,6 +16,7 @@ Numeric fields are the top-level int/float values of a row (booleans and the `_n
 from __future__ import annotations
 
 import math
+import threading
 from array import array
 from collections import Counter
 from fractions import Fraction
@@ -336,10 +337,12 @@ class StoredRowSummaries:
     its job itself (the drop-in command): at the end it gives what reading the table back gives (the same
     RunningStats, the medians and percentiles at the same ranks, majority@k's ties to the lowest repeat)
     without that second read. Bounded: past `max_rows` rows it lets go of what it holds (8 bytes a value,
-    a small record a task) and `result` gives None, as it does when the table holds rows it was not fed."""
+    a small record a task) and `result` gives None, as it does when the table holds rows it was not fed.
+    Thread-safe: the command's DB thread and its child processes' reader both feed it."""
 
     def __init__(self, max_rows: int = 100_000):
         self.max_rows = max_rows
+        self._lock = threading.Lock()
         self.rows = 0
         self.agg: _StatsWithValues | None = _StatsWithValues()
         self.timing = TimingAccumulator(keep_values=False)
@@ -347,6 +350,10 @@ class StoredRowSummaries:
 
     def add(self, ok: bool, data: Any, rollout_index: int, timings: dict[str, float | None]) -> None:
         """A stored row: ok (its status), its output row, its repeat index and its TIMING_FIELDS."""
+        with self._lock:
+            self._add(ok, data, rollout_index, timings)
+
+    def _add(self, ok, data, rollout_index, timings) -> None:
         self.rows += 1
         if self.agg is None:
             return
@@ -363,8 +370,9 @@ class StoredRowSummaries:
     def result(self, stored_rows: int) -> tuple[dict, dict] | None:
         """(aggregate_metrics, timing_summary), or None when the job's table holds `stored_rows` rows and
         they are not exactly the rows fed (a resumed job, another process's rows) or there were too many."""
-        agg = self.agg
-        if agg is None or stored_rows != self.rows:
-            return None
-        return (agg.result(medians=lambda key, n: quantile(sorted(agg.values[key]), 0.5)),
-                self.timing.result(percentiles=lambda name, n: timing_percentiles(self.timing_values[name])))
+        with self._lock:
+            agg = self.agg
+            if agg is None or stored_rows != self.rows:
+                return None
+            return (agg.result(medians=lambda key, n: quantile(sorted(agg.values[key]), 0.5)),
+                    self.timing.result(percentiles=lambda name, n: timing_percentiles(self.timing_values[name])))
