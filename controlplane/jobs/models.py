@@ -2,12 +2,16 @@
 
 The job owns its state transitions (NetBox style); services call these, views and tasks stay thin.
 """
+import operator
+from functools import reduce
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 from controlplane.leases import Lease
 from controlplane.rest.errors import InvalidTransition  # noqa: F401 - raised by the jobs services
+from workers.task_index import IndexRuns
 
 
 class JobState(models.TextChoices):
@@ -246,6 +250,23 @@ class RolloutQuerySet(models.QuerySet):
                  "reward__gte": reward_min, "reward__lte": reward_max,
                  "wall_ms__gte": wall_ms_min, "wall_ms__lte": wall_ms_max}
         return self.filter(**{k: v for k, v in exact.items() if v not in (None, "")})
+
+    def with_task_indices(self, task_ids):
+        """Rows of these task indices, asked as index ranges: each run of consecutive indices a range, the rest
+        one IN list, so the (job, task_index, rollout_index) index serves each part whatever the planner knows
+        (a chunk page's stored pairs). Not one range from the smallest to the largest: a page of a file with
+        repeated lines holds earlier lines' task indices too, and that range then spans the whole job (100k
+        rows: 58 ms a page, growing with the job, vs 0.3 ms). Not an IN list alone: with no statistics yet (a
+        fresh job, before ANALYZE) PostgreSQL read every stored row of the job per page."""
+        ranges, singles = [], []
+        for lo, hi in IndexRuns(sorted(task_ids)).ranges():
+            if lo == hi:
+                singles.append(lo)
+            else:
+                ranges.append(models.Q(task_index__gte=lo, task_index__lte=hi))
+        if singles:
+            ranges.append(models.Q(task_index__in=singles))
+        return self.filter(reduce(operator.or_, ranges))
 
 
 class Rollout(models.Model):

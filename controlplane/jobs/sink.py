@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import reduce
 
 from django.conf import settings
 from django.db import DataError, connection, connections, transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from controlplane.datasets.services import iter_task_rows, iter_task_rows_at
@@ -599,24 +597,6 @@ class DbControl:
 PAGE_ROWS = 200
 
 
-def _task_index_runs(task_ids: set[int]) -> Q:
-    """A page's task indices as index ranges: each run of consecutive indices a range, the rest one IN list,
-    so the (job, task_index, rollout_index) index serves each part whatever the planner knows. Not one range
-    from the smallest to the largest: a page of a file with repeated lines holds the task indices of earlier
-    lines too, and that range then spans the whole job (100k rows: 58 ms a page, growing with the job, vs
-    0.3 ms). Not an IN list alone: with no statistics yet (a fresh job, before ANALYZE) PostgreSQL read every
-    stored row of the job per page."""
-    ranges, singles = [], []
-    for lo, hi in IndexRuns(sorted(task_ids)).ranges():
-        if lo == hi:
-            singles.append(lo)
-        else:
-            ranges.append(Q(task_index__gte=lo, task_index__lte=hi))
-    if singles:
-        ranges.append(Q(task_index__in=singles))
-    return reduce(operator.or_, ranges)
-
-
 class ChunkTasks:
     """The chunk's TaskItems in NeMo Gym order, read a page at a time on the DB thread (one page
     prefetched), skipping the (task_index, rollout_index) pairs already stored for the job.
@@ -665,7 +645,7 @@ class ChunkTasks:
                 pass  # materialize_tasks raises the clear error
         existing = set()
         if task_ids:
-            pairs = Rollout.objects.filter(_task_index_runs(task_ids), job_id=self.job_id)
+            pairs = Rollout.objects.filter(job_id=self.job_id).with_task_indices(task_ids)
             if self.offset or self.job.open_ended:  # this pass's repeats only
                 pairs = pairs.filter(rollout_index__gte=self.offset,
                                      rollout_index__lt=self.offset + self.job.open_ended["stride"])
