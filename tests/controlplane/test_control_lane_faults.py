@@ -96,7 +96,10 @@ def test_a_sigtermed_worker_hands_its_chunks_back_and_another_goes_on(topology, 
     assert job.chunks.count() == 2 and job.total_rollouts == 48
     wait_for(lambda: len(_held_by(job, a)) == 2 and Rollout.objects.filter(job=job).count() >= 4, 60,
              "worker a runs both chunks", a.tail)
+    # slow answers while b starts (seconds on a loaded machine), so a still holds both chunks when it is stopped
+    sim.configure(ttft_ms=10_000)
     b = topology("b", "work", 2)
+    assert len(_held_by(job, a)) == 2, "a finished a chunk while b started: the test's premise is gone"
     t_term = time.monotonic()
     a.kill(signal.SIGTERM)
     # b holds both chunks within seconds; a stops at once instead of running its chunks to their end
@@ -107,6 +110,7 @@ def test_a_sigtermed_worker_hands_its_chunks_back_and_another_goes_on(topology, 
     stored_by_a = Rollout.objects.filter(job=job, worker__contains=f":{a.popen.pid}:").count()
     assert stored_by_a >= 4  # what a had was written
     assert "handing the chunk back" in a.tail(20000)
+    sim.configure(ttft_ms=150)
     wait_for(lambda: CollectionJob.objects.get(pk=job.pk).state == "completed", 90, "the job completed",
              lambda: b.tail())
     assert Rollout.objects.filter(job=job).count() == 48  # one row per (task, repeat)
