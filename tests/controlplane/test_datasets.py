@@ -242,14 +242,14 @@ def _ingest_peak(path, name):
 
 @pytest.mark.slow
 def test_streaming_ingest_memory_is_bounded(tmp_path):
-    """Peak Python allocation while ingesting 20k rows vs 200k rows: flat (batches of 1000)."""
-    small = _gen_file(tmp_path / "small.jsonl", 20_000)
-    big = _gen_file(tmp_path / "big.jsonl", 200_000)
+    """Peak Python allocation while ingesting 10k rows vs 100k rows: flat (batches of 1000)."""
+    small = _gen_file(tmp_path / "small.jsonl", 10_000)
+    big = _gen_file(tmp_path / "big.jsonl", 100_000)
     ds_s, peak_s = _ingest_peak(small, "small")
     ds_b, peak_b = _ingest_peak(big, "big")
     size_b = os.path.getsize(big)
-    print(f"\ningest peak: 20k rows {peak_s / 2**20:.1f} MiB; 200k rows ({size_b / 2**20:.1f} MiB file) {peak_b / 2**20:.1f} MiB")
-    assert ds_b.row_count == 200_000 and ds_s.row_count == 20_000
+    print(f"\ningest peak: 10k rows {peak_s / 2**20:.1f} MiB; 100k rows ({size_b / 2**20:.1f} MiB file) {peak_b / 2**20:.1f} MiB")
+    assert ds_b.row_count == 100_000 and ds_s.row_count == 10_000
     assert ds_b.sha256 == file_sha256(big)[0]
     assert peak_b < 1.5 * peak_s + 2 * 2**20, (peak_s, peak_b)
     assert peak_b < size_b / 2
