@@ -1,6 +1,6 @@
 """Real NeMo Gym (nemo-gym 0.4.0, `ng_run`) for the `nemo_gym` tests, started by scripts/nemo_gym.sh.
 
-- `nemo_gym`: session scope. The built-in simulator as the policy model, and `ng_run` with
+- `nemo_gym`: session scope (restarted in its plain configuration where a test left another). The built-in simulator as the policy model, and `ng_run` with
   math_with_judge (its `math_with_judge_simple_agent`), a second agent `math_second_agent` on the same
   resources server, and the vllm_model model server, on a free head port. math_with_judge verifies one answer at
   a time with a long deadline (tests/data/nemo_gym_verifier.yaml): on a loaded machine its wall-clock limits
@@ -53,6 +53,7 @@ class NemoGym:
         self.head_url = f"http://{self.head_host}:{self.head_port}"
         self.venv_bin = REPO_ROOT / ".venv-nemo-gym" / "bin"
         self.extra_env: dict = {}  # e.g. NEMO_GYM_PROFILING_DIR for a restart with ng_run's profiling on
+        self.started_env: dict | None = None  # extra_env of the running ng_run (None: not running)
 
     def env(self) -> dict:
         base = _script("python").stdout.strip()
@@ -67,9 +68,17 @@ class NemoGym:
         res = _script("start", self.sim.base_url, env=env, timeout=float(env.get("NEMO_GYM_START_TIMEOUT", 300)) + 60)
         if res.returncode != 0:
             raise RuntimeError(f"ng_run did not start:\n{res.stderr[-4000:]}")
+        self.started_env = dict(self.extra_env)
 
     def stop(self) -> None:
         _script("stop", env=self.env(), timeout=60)
+        self.started_env = None
+
+    def configure(self, extra_env: dict) -> None:
+        """Serve with `extra_env` from now on: restarted only when it differs from what runs."""
+        self.extra_env = dict(extra_env)
+        if self.started_env != self.extra_env:
+            self.restart()
 
     def restart(self) -> None:
         self.stop()
@@ -102,13 +111,22 @@ def _serving(sim, ng):
 
 
 @pytest.fixture(scope="session")
-def nemo_gym():
+def nemo_gym_session():
     _set_up_or_skip()
     # every arithmetic answer right: a reward then depends only on the row (its expected_answer), so two
     # collections of the same file agree row by row
     sim = start_simulator(ttft_ms=0, itl_ms=0, jitter=0, seed=0, math_accuracy=1.0)
     ng = NemoGym(sim, tempfile.mkdtemp(prefix="nemo-gym-run-"))
     yield from _serving(sim, ng)
+
+
+@pytest.fixture
+def nemo_gym(nemo_gym_session):
+    """The session's ng_run in its plain configuration: a test that served with another (ng_run's profiling on)
+    leaves it so, and the next test that asks for it restarts it (~1 min), not the test itself: the last
+    such test of a run costs no restart."""
+    nemo_gym_session.configure({})
+    return nemo_gym_session
 
 
 @pytest.fixture(scope="module")

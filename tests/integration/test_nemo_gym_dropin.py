@@ -194,25 +194,20 @@ def test_profiling_enabled_writes_ng_runs_own_server_profiles(nemo_gym, tmp_path
     if not shutil.which("dot"):
         pytest.skip("graphviz's dot is missing: ng_run's profiling (nemo_gym.profiling.Profiler) needs it")
     ng_dir = tmp_path / "ng-profiling"
-    nemo_gym.extra_env = {"NEMO_GYM_PROFILING_DIR": str(ng_dir)}
-    nemo_gym.restart()
-    try:
-        inp = write_tasks(tmp_path / "tasks.jsonl", 4)
-        logs = tmp_path / "profiling" / "baseline"
-        printed = run_ours(nemo_gym, inp, tmp_path / "o" / "rollouts.jsonl", capsys, "+num_repeats=2",
-                           "+profiling_enabled=true", f"+profiling_results_dirpath={logs}")
-        assert "8 ok, 0 failed of 8" in printed, printed
-        for server in ("math_with_judge", AGENT):
-            path = logs / f"{server}.log"
-            assert f"Profiling: {path}" in printed, printed
-            ours = path.read_text()
-            own = next(ng_dir.glob(f"*___{server}/{server}.log")).read_text()  # what ng_run's server wrote
-            header = next(line for line in own.splitlines() if line.startswith("name"))
-            assert header in ours.splitlines()  # the same columns, the same widths: `diff` lines up
-            rows = parse_log(ours)
-            assert rows and all(r.ncall >= 1 for r in rows)
-        verify = [r for r in parse_log((logs / "math_with_judge.log").read_text()) if r.name.endswith(".verify")]
-        assert verify and verify[0].ncall == 8, verify  # the run's 8 verifications, not the server's whole life
-    finally:
-        nemo_gym.extra_env = {}
-        nemo_gym.restart()
+    nemo_gym.configure({"NEMO_GYM_PROFILING_DIR": str(ng_dir)})  # the next test's nemo_gym restarts it plain
+    inp = write_tasks(tmp_path / "tasks.jsonl", 4)
+    logs = tmp_path / "profiling" / "baseline"
+    printed = run_ours(nemo_gym, inp, tmp_path / "o" / "rollouts.jsonl", capsys, "+num_repeats=2",
+                       "+profiling_enabled=true", f"+profiling_results_dirpath={logs}")
+    assert "8 ok, 0 failed of 8" in printed, printed
+    for server in ("math_with_judge", AGENT):
+        path = logs / f"{server}.log"
+        assert f"Profiling: {path}" in printed, printed
+        ours = path.read_text()
+        own = next(ng_dir.glob(f"*___{server}/{server}.log")).read_text()  # what ng_run's server wrote
+        header = next(line for line in own.splitlines() if line.startswith("name"))
+        assert header in ours.splitlines()  # the same columns, the same widths: `diff` lines up
+        rows = parse_log(ours)
+        assert rows and all(r.ncall >= 1 for r in rows)
+    verify = [r for r in parse_log((logs / "math_with_judge.log").read_text()) if r.name.endswith(".verify")]
+    assert verify and verify[0].ncall == 8, verify  # the run's 8 verifications, not the server's whole life
