@@ -274,6 +274,11 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     stored = set(Rollout.objects.filter(job=job, status=Rollout.Status.OK).values_list("task_index", "rollout_index"))
     on_disk = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in map(json.loads, lines)]
     assert len(on_disk) == len(set(on_disk)) and set(on_disk) == stored, (len(on_disk), len(stored))
+    # written before collecting, as ng_collect_rollouts does: its own +resume_from_cache=true needs it on this
+    # interrupted run's files (it skips the cache, and clears the output, where it is missing)
+    mat = [json.loads(line) for line in (tmp_path / "rollouts_materialized_inputs.jsonl").read_text().splitlines()]
+    assert sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in mat) == \
+        [(t, r) for t in range(n_tasks) for r in range(repeats)]
     if sig == signal.SIGINT:
         assert rc == 130, log1
         assert "Rerun the same command to resume" in log1

@@ -334,6 +334,11 @@ class Command(BaseCommand):
                 self.stderr.write(f"Resumed from cache: {got['done']} rollouts already done in {out_path}, "
                                   f"{got['failures']} earlier failure line(s); {got['imported']} taken into job "
                                   f"{job.pk}; {job.total_rollouts - job.done_count} still to run")
+        # written before collecting, as ng_collect_rollouts does: its own resume_from_cache, run on this command's
+        # files after a crash, needs it
+        from controlplane.jobs.nemo_gym import write_materialized_inputs
+
+        materialized = str(write_materialized_inputs(job, out_path, cfg["agent_name"] or None))
         # the output files grow as rollouts are stored (appended and flushed after each batch commits)
         files = OutputFiles(job, out_path, whole_file=cfg["resume_from_cache"]).open()
         if created and any(files.earlier.values()):
@@ -384,9 +389,7 @@ class Command(BaseCommand):
             res["aggregate_metrics"] = None
         else:
             res["aggregate_metrics"] = write_aggregate_metrics(job, out_path)
-        from controlplane.jobs.nemo_gym import write_materialized_inputs
-
-        res["materialized_inputs"] = str(write_materialized_inputs(job, out_path, cfg["agent_name"] or None))
+        res["materialized_inputs"] = materialized
         self._summary(job, res, elapsed, job.done_count - done_before)
         if job.state == JobState.FAILED:
             self._fail(f"job {job.pk} failed: {job.error_message or 'no message'}\n"
