@@ -39,8 +39,10 @@ def prewarm_from_argv(argv: list[str]) -> threading.Thread | None:
         return None  # a NeMo Gym agent run: the agents verify
     verifier = opts.get("verifier", "math")
     size = int(os.environ.get("VERIFY_POOL_PROCESSES") or 0) or None
-    thread = threading.Thread(target=_warm, args=(verifier, size, opts.get("verify_mode") == "fast"),
-                              name="verify-pool-prewarm", daemon=True)
+    pool = _pool_to_warm(verifier, opts.get("verify_mode") == "fast")
+    if pool is None:
+        return None
+    thread = threading.Thread(target=_warm, args=(pool, verifier, size), name="verify-pool-prewarm", daemon=True)
     thread.start()
     return thread
 
@@ -57,18 +59,34 @@ def split_verifier_pool(engine_processes) -> None:
         os.environ["VERIFY_POOL_PROCESSES"] = str(max(1, -(-(os.cpu_count() or 1) // n)))
 
 
-def _warm(verifier: str, size: int | None, fast: bool) -> None:
+def _pool_to_warm(verifier: str, fast: bool):
+    """The shared verifier pool when `verifier` runs in it, else None; run in the main thread, which imports all
+    that warming the pool needs, so the thread imports nothing while the main thread imports Django: CPython
+    3.11's imports from two threads at once can fail (a settings import once died of "NameError: name 'sys' is
+    not defined" in importlib while the thread imported aiohttp and importlib.metadata)."""
     try:
+        import concurrent.futures.process  # noqa: F401 - what the pool's start imports on first use
+        import multiprocessing.popen_fork  # noqa: F401
+        import multiprocessing.popen_forkserver  # noqa: F401
+        import multiprocessing.synchronize  # noqa: F401
+
         from workers.verifiers import VERIFIERS, get_verifier
 
         if verifier not in VERIFIERS:  # a dotted path or plug-in: the engine warms it as before
-            return
+            return None
         v = get_verifier(verifier)
         if v.effective_kind != "cpu" or (fast and v.has_fast):
-            return
+            return None
         from workers.engine.verify_pool import SHARED_VERIFY_POOL
 
-        SHARED_VERIFY_POOL.prewarm(verifier, size)
+        return SHARED_VERIFY_POOL
+    except Exception:  # noqa: BLE001  (the engine warms the pool itself and reports what fails)
+        return None
+
+
+def _warm(pool, verifier: str, size: int | None) -> None:
+    try:
+        pool.prewarm(verifier, size)
     except Exception:  # noqa: BLE001  (the engine warms the pool itself and reports what fails)
         pass
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from workers import cli_start
-from workers.engine.verify_pool import VerifyBatcher, VerifyPool
+from workers.engine.verify_pool import SHARED_VERIFY_POOL, VerifyBatcher, VerifyPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,9 +22,47 @@ def test_only_runs_that_verify_in_the_pool_warm_it(monkeypatch):
     assert cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "--help"]) is None
     assert cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "+verify_mode=deferred"]) is None
     assert cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "+agent_name=a"]) is None  # agents verify
-    t = cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "+input_jsonl_fpath=x", "+verifier=exact"])
-    t.join(5)
-    assert started == [("exact", None, False)]
+    for verifier in ("none", "judge", "code", "my_pkg.my_verifier"):  # on the loop, remote, a sandbox, a plug-in
+        assert cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", f"+verifier={verifier}"]) is None
+    # math's fast path (fast mode) needs no pool before the run
+    assert cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "+verify_mode=fast"]) is None
+    for verifier in ("exact", "math"):
+        t = cli_start.prewarm_from_argv(["manage.py", "collect_rollouts", "+input_jsonl_fpath=x",
+                                         f"+verifier={verifier}"])
+        t.join(5)
+    assert started == [(SHARED_VERIFY_POOL, "exact", None), (SHARED_VERIFY_POOL, "math", None)]
+
+
+WATCH_IMPORTS = """
+import os, sys, threading
+seen = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        seen.append((threading.current_thread().name, name))
+sys.meta_path.insert(0, Watch())
+os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+os.environ["CONTROLPLANE_LEAN_CLI"] = "1"
+from workers.cli_start import prewarm_from_argv
+thread = prewarm_from_argv(["manage.py", "collect_rollouts", "+input_jsonl_fpath=x", "+verifier=math"])
+import django
+django.setup()
+thread.join(60)
+from workers.engine.verify_pool import SHARED_VERIFY_POOL
+print("warm", getattr(SHARED_VERIFY_POOL.executor(None), "_engine_warm", False))
+print("thread imports", [n for who, n in seen if who == thread.name])
+SHARED_VERIFY_POOL.kill()
+"""
+
+
+def test_the_warming_thread_imports_nothing_while_django_sets_up(tmp_path):
+    """The main thread imports what warming needs first: CPython 3.11's imports from two threads at once can fail
+    (a command's settings import died once of "NameError: name 'sys' is not defined" in importlib while the
+    thread imported the verifiers, aiohttp and importlib.metadata)."""
+    env = {**os.environ, "PYTHONPATH": REPO, "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    out = subprocess.run([sys.executable, "-c", WATCH_IMPORTS], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warm True" in out.stdout and "thread imports []" in out.stdout, out.stdout
 
 
 def test_an_engine_run_does_not_wait_for_a_pool_being_warmed():
