@@ -242,6 +242,28 @@ def test_hand_backs_merge_in_the_engine_scaled_to_all_verifications():
     assert snap.overhead_pct == pytest.approx((40 * 1.0 + 10 * 3.0) / 50)  # weighted by verifications
 
 @pytest.mark.slow
+def test_verifications_handed_back_with_none_profiled_count_at_the_sessions_profile():
+    """A process's last hand-back (or a loaded machine's, where the budget afforded no profiled call) carries
+    verifications but no rows: they stand for that many calls at the session's profile per call, not for none
+    (a run's estimate of MathVerifier.verify fell to 0.35 of its verifications on a loaded machine)."""
+    import pickle
+
+    from workers.profiling.core import Profiler
+
+    def hand_back(items, profiled, ncall=0):
+        rows = [FuncRow("m.py", 1, "verify", ncall, 0.5 * ncall, 1.0 * ncall).as_list()] if profiled else None
+        return {"session": "s", "items": items, "profiled": profiled, "stats_format": "rows",
+                "stats": pickle.dumps(rows) if rows else None}
+
+    prof = Profiler("w")
+    prof.config = ProfileConfig(session="s", scope="verify", window_s=1000.0)
+    prof.add(hand_back(10, 2, ncall=2))  # 2 of 10 profiled: 10 calls, 1 s each
+    prof.add(hand_back(30, 0))  # the process's last 30, none profiled
+    [snap] = prof.drain(final=True)
+    [row] = snap.rows
+    assert snap.verifications == 40 and row.ncall == pytest.approx(40) and row.ttot == pytest.approx(40.0)
+
+
 async def test_profiling_switched_on_and_off_while_the_run_goes_on(simulator):
     """A ProfilingControl turns profiling on after a moment and off again; the run never stops, and the
     snapshots name the verifier's functions with the verifications they stand for."""

@@ -499,8 +499,16 @@ class Profiler:
         self.config: ProfileConfig | None = None
         self.lock = threading.Lock()
         self.ready: list[ProfileSnapshot] = []
+        self._new_session()
         self._new_window()
         self._worker_prev: dict = {}
+
+    def _new_session(self):
+        # the session's profiled rows, unscaled, and how many calls they are: a hand-back of verifications none
+        # of which was profiled (a process's last one, or a loaded machine's, where the budget afforded none)
+        # stands for that many calls at the session's profile per call, not for none
+        self.s_rows: dict = {}
+        self.s_prof = 0
 
     def _new_window(self):
         self.w_rows: dict = {}
@@ -520,6 +528,7 @@ class Profiler:
         if config is None:
             return
         self.config = config
+        self._new_session()
         with _lock:
             _REGISTRY[config.session] = self
             _ACTIVE = config.pool_args()
@@ -587,7 +596,13 @@ class Profiler:
         pending, self.w_pending = self.w_pending, []
         for payload in pending:
             items, prof = int(payload.get("items") or 0), int(payload.get("profiled") or 0)
-            payload_rows(payload, items / prof if prof else 1.0, into=self.w_rows)
+            if prof:
+                got = payload_rows(payload).values()
+                merge_rows(self.s_rows, got)
+                self.s_prof += prof
+                merge_rows(self.w_rows, got, items / prof)
+            elif items and self.s_prof:
+                merge_rows(self.w_rows, self.s_rows.values(), items / self.s_prof)
             self.w_items += items
             self.w_prof += prof
             if payload.get("overhead_pct") is not None:
