@@ -243,3 +243,30 @@ def test_reading_the_samples_leaves_no_reference_cycles(alice):
         gc.enable()
     assert [busy for _, _, busy in reads[-1]] == [2.0, 3.0, 4.0]
     assert found == []
+
+
+def test_a_runs_last_rows_stored_after_its_last_busy_sample_count_as_running(alice):
+    """The chart's rate at a second: ok rows of the window over its running seconds. A run's last answers are
+    written after its last sample saw them in flight (batched writes; seconds late on a loaded machine): the
+    second that stored them ran too, or a finished job's last point is over what the rows say (a browser test
+    saw 39.3/s against 34.7/s)."""
+    from tests.factories import add_rollouts
+
+    job = _job(alice)
+    s0 = int(timezone.now().timestamp()) - 60
+    add_rollouts(job, 60)
+    for k, pk in enumerate(Rollout.objects.filter(job=job).order_by("pk").values_list("pk", flat=True)):
+        Rollout.objects.filter(pk=pk).update(created_at=_epoch(s0 + k // 10 + 0.5))  # 10 a second, s0..s0+5
+    busy = set(range(s0, s0 + 5))  # requests in flight until s0+4; the rows of s0+5 written after
+    rates, _ = figures.rate_series(job.pk, [s0 + 4, s0 + 5], busy)
+    # ok rows (add_rollouts: all ok) over running seconds: 50 / 5 at s0+4, 60 / 6 at s0+5 (was 60 / 5)
+    assert rates == [10.0, 10.0]
+    # rows stored more than GAP_S after the last busy second do not make their seconds running ones
+    early = s0 - 1 - int(figures.GAP_S)
+    assert figures.rate_series(job.pk, [s0 + 5], {early})[0] == [60 / figures.MIN_SPAN_S]
+
+
+def _epoch(s):
+    from datetime import datetime, timezone as tz
+
+    return datetime.fromtimestamp(s, tz.utc)
