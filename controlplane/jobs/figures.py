@@ -23,7 +23,6 @@ Nothing here sums one run's rate with another's: rates are counts over time, the
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass
 from datetime import timedelta
 
