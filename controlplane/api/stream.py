@@ -161,23 +161,28 @@ class JobStreamView(_JobStreamView):
         head = {"job": job.pk, "consumer": q["consumer"], "token": batch["token"], "cursor": batch["cursor"],
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
                 "skipped_equal": batch["skipped_equal"], "current_version": current,
-                "groups": stream.group_ids(job, [r for r, _ in rows]) if q["groups"] else None}
+                "groups": stream.group_ids(job, rows) if q["groups"] else None}
+        text = stream.ROW_TEXT
+        if not (with_lag or with_error):  # each row's text and its closing brace: one join
+            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[text] for r in rows]), "}]}" if rows else "]}"]
+            return HttpResponse("".join(parts).encode(), content_type="application/json")
         lags: dict[str, str] = {}  # the tail of each weight version's rows: `, "lag": n}`
         parts = [_dumps(head)[:-1], ', "rollouts": [']
         user = request.user
-        for i, (row, text) in enumerate(rows):
+        for i, row in enumerate(rows):
             tail = "}"
             if with_lag:
-                wv = row["weight_version"]
+                wv = row[stream.ROW_VERSION]
                 tail = lags.get(wv)
                 if tail is None:
                     lag = stream.lag_of(wv, current)
                     tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
             if with_error:
-                error = row["error"]
-                parts += (", " if i else "", text, ', "error": ', _dumps(shown_for(user, error)) if error else '""', tail)
+                error = row[stream.ROW_ERROR]
+                parts += (", " if i else "", row[text], ', "error": ', _dumps(shown_for(user, error)) if error else '""',
+                          tail)
             else:
-                parts += (", " if i else "", text, tail)
+                parts += (", " if i else "", row[text], tail)
         parts.append("]}")
         return HttpResponse("".join(parts).encode(), content_type="application/json")
 
