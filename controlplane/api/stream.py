@@ -162,9 +162,10 @@ class JobStreamView(_JobStreamView):
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
                 "skipped_equal": batch["skipped_equal"], "current_version": current,
                 "groups": stream.group_ids(job, rows) if q["groups"] else None}
-        text = stream.ROW_TEXT
+        text_at = stream.ROW_TEXT  # where a row tuple holds its JSON text
         if not (with_lag or with_error):  # each row's text and its closing brace: one join
-            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[text] for r in rows]), "}]}" if rows else "]}"]
+            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[text_at] for r in rows]),
+                     "}]}" if rows else "]}"]
             return HttpResponse("".join(parts).encode(), content_type="application/json")
         lags: dict[str, str] = {}  # the tail of each weight version's rows: `, "lag": n}`
         parts = [_dumps(head)[:-1], ', "rollouts": [']
@@ -179,10 +180,10 @@ class JobStreamView(_JobStreamView):
                     tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
             if with_error:
                 error = row[stream.ROW_ERROR]
-                parts += (", " if i else "", row[text], ', "error": ', _dumps(shown_for(user, error)) if error else '""',
+                parts += (", " if i else "", row[text_at], ', "error": ', _dumps(shown_for(user, error)) if error else '""',
                           tail)
             else:
-                parts += (", " if i else "", row[text], tail)
+                parts += (", " if i else "", row[text_at], tail)
         parts.append("]}")
         return HttpResponse("".join(parts).encode(), content_type="application/json")
 
