@@ -151,11 +151,14 @@ def test_a_replica_that_does_not_answer_is_reported(api, user, sim_endpoint, sim
 
 
 @pytest.mark.slow
-def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulator_factory):
+def test_the_web_process_only_queues_the_worker_runs(user, sim_endpoint, simulator_factory, settings):
     """Without a worker the action stays queued and no model server hears of it; the task (what a worker
     runs) records the report on the action, once: a redelivered task does not send the update again."""
     from controlplane.endpoints.tasks import run_admin_action_task
 
+    # a control queue of its own: a control worker another test SIGKILLed stays registered for up to a minute
+    # on the shared one (and would run this action)
+    settings.CELERY_CONTROL_QUEUE = f"ctl-nobody-serves-{os.getpid()}-{time.monotonic_ns()}"
     sim = simulator_factory(update_weights_ms=20)
     ep = sim_endpoint(sim.url, owner=user)
     c = APIClient()
