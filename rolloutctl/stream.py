@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from .client import Client
+from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "cancelled", "failed"}
 TRAIN_FIELDS = ("id", "task_index", "rollout_index", "reward", "weight_version", "data")  # what a trainer trains on
@@ -88,13 +88,30 @@ class RolloutStream:
             params["fields"] = self.fields
         if ack is not None:
             params["ack"] = ack.token
-        body = decode_batch(self.client.request("GET", f"jobs/{self.job}/stream/", params=params).content)
+        body = decode_batch(self._get(params))
         if not body["count"]:
             return None
         return Batch(job=body["job"], consumer=body["consumer"], token=body["token"], cursor=body["cursor"],
                      redelivered=body["redelivered"], rollouts=body["rollouts"], skipped_stale=body["skipped_stale"],
                      skipped_equal=body["skipped_equal"], current_version=body["current_version"],
                      group_ids=body.get("groups"), taken_at=time.time())
+
+    def _get(self, params: dict) -> bytes:
+        """A take's body, read whole in one read (`.content` gathers it 10 KiB at a time: 3 ms of a 3.6 MB batch,
+        against 1 ms); a connection lost while reading it is retried like one lost before the answer."""
+        import urllib3
+
+        for attempt in range(1 + self.client.retries):
+            resp = self.client.request("GET", f"jobs/{self.job}/stream/", params=params, stream=True)
+            try:
+                return resp.raw.read(decode_content=True)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                if attempt == self.client.retries:
+                    raise ApiError(f"GET jobs/{self.job}/stream/: the answer was cut off: {exc}") from exc
+                self.client._sleep(attempt, None)
+            finally:
+                resp.close()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def ack(self, batch: Batch) -> dict:
         """Acknowledge: the batch never comes again (a retried ack is a no-op)."""
