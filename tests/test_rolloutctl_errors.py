@@ -1,4 +1,6 @@
-"""rolloutctl shows an API error in words, not the raw JSON body."""
+"""rolloutctl shows an API error in words, not the raw JSON body, and takes a cut-off stream batch again."""
+import pytest
+
 from rolloutctl.client import _describe
 
 
@@ -13,9 +15,11 @@ def test_api_error_bodies_read_as_text():
     assert "{" not in _describe({"detail": {"field": ["bad"]}})
 
 
-def test_a_stream_batch_cut_off_mid_body_is_taken_again():
+@pytest.mark.parametrize("lines", [True, False])
+def test_a_stream_batch_cut_off_mid_body_is_taken_again(lines):
     """A take whose answer is cut off (the connection lost inside the body) is retried like one lost before the
-    answer: the same pending batch comes again, whole."""
+    answer: the same pending batch comes again, whole; as JSON lines (a body without its last line is cut off
+    too) and as one document."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,19 +27,29 @@ def test_a_stream_batch_cut_off_mid_body_is_taken_again():
     from rolloutctl.client import Client
     from rolloutctl.stream import RolloutStream
 
-    body = json.dumps({"job": 7, "consumer": "c", "token": "ab", "cursor": 3, "redelivered": False, "count": 1,
-                       "skipped_stale": 0, "skipped_equal": 0, "current_version": None, "groups": None,
-                       "rollouts": [{"id": 3, "data": "x" * 100_000}]}).encode()
+    head = {"job": 7, "consumer": "c", "token": "ab", "cursor": 4, "redelivered": False, "count": 2,
+            "skipped_stale": 0, "skipped_equal": 0, "current_version": None, "groups": None}
+    rows = [{"id": 3, "data": "x" * 100_000}, {"id": 4, "data": "y"}]
     seen = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            seen.append(self.path)
+            asked_lines = self.headers.get("Accept") == "application/x-ndjson"
+            seen.append(asked_lines)
+            if asked_lines:
+                body = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+                whole = body + json.dumps({"batch": head}).encode() + b"\n"
+            else:
+                whole = json.dumps({**head, "rollouts": rows}).encode()
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(whole)))
             self.end_headers()
-            self.wfile.write(body if len(seen) > 1 else body[:50_000])  # the first answer: half, then hang up
+            if len(seen) == 1:  # the first answer: half, then hang up
+                self.wfile.write(whole[:50_000])
+            elif len(seen) == 2 and asked_lines:  # every row but no last line (a server stopped mid-take)
+                self.wfile.write(body)
+            else:
+                self.wfile.write(whole)
             self.close_connection = True
 
         def log_message(self, *a):
@@ -45,10 +59,10 @@ def test_a_stream_batch_cut_off_mid_body_is_taken_again():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        stream = RolloutStream(base, "t", 7, "c", client=Client(base, "t", retries=2, backoff_s=0.01))
+        stream = RolloutStream(base, "t", 7, "c", client=Client(base, "t", retries=3, backoff_s=0.01), lines=lines)
         batch = stream.take(wait=0)
-        assert batch is not None and batch.token == "ab" and batch.rollouts[0]["data"] == "x" * 100_000
-        assert len(seen) == 2  # the cut-off answer, then the whole one
+        assert batch is not None and batch.token == "ab" and batch.cursor == 4 and batch.rollouts == rows
+        assert seen == ([True] * 3 if lines else [False] * 2)
     finally:
         server.shutdown()
         server.server_close()

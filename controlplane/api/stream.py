@@ -5,20 +5,24 @@ from __future__ import annotations
 import json
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.http import HttpResponse
-from drf_spectacular.utils import extend_schema
+from django.db import connection
+from django.http import HttpResponse, StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.access import visible_jobs
 from controlplane.disclosure import shown_for
 from controlplane.jobs import stream
+from controlplane.jobs.export import streamed_for
 from controlplane.rest.conventions import READ_ERRORS, ApiMixin, errors, query_params
 from controlplane.rest.exceptions import Conflict
 from controlplane.rest.fields import StrictJSONTypes
-from controlplane.rest.parsers import JSONParser
+from controlplane.rest.parsers import JSONParser, NDJSONRenderer
 
 from .serializers import FiniteFloatField, RolloutSerializer
 
@@ -28,6 +32,7 @@ TOKEN_REGEX = r"^[0-9a-f]{1,64}$"
 STREAM_FIELDS = [*(f for f in RolloutSerializer.Meta.fields if f != "trajectory"), "lag"]
 _NAME = "(?:" + "|".join(STREAM_FIELDS) + ")"
 FIELDS_REGEX = rf"^ *{_NAME} *(?:, *{_NAME} *)*$"
+NDJSON = NDJSONRenderer.media_type
 
 
 def _consumer_field(**kw):
@@ -136,16 +141,28 @@ class _JobStreamView(ApiMixin, APIView):
 
 
 class JobStreamView(_JobStreamView):
+    renderer_classes = [JSONRenderer, NDJSONRenderer]  # Accept: application/x-ndjson: the batch as JSON lines
+
     @extend_schema(summary="Take the consumer's next batch of verified rollouts (long-poll); exactly once per "
                            "consumer: the batch comes again until acknowledged",
+                   description="`Accept: application/x-ndjson` (rows, not groups): the batch as JSON lines, sent "
+                               "while the database reads it: one rollout per line, then one last line "
+                               "`{\"batch\": {...}}` holding the fields of the JSON answer but `rollouts`. A body "
+                               "without that last line was cut off: nothing was handed out or acknowledged by it; "
+                               "take again.",
                    parameters=[StreamQuerySerializer],
-                   responses={200: StreamBatchSerializer, **errors(400, 409, *READ_ERRORS)})
+                   responses={(200, "application/json"): StreamBatchSerializer,
+                              (200, NDJSON): OpenApiResponse(OpenApiTypes.STR, description="A rollout per line, then "
+                                                             "{\"batch\": {...}}"),
+                              **errors(400, 409, *READ_ERRORS)})
     def get(self, request, job_id: str):
         job = self.get_job(job_id)
         q = query_params(StreamQuerySerializer, request)
         names = q.get("fields") or ALL_FIELDS
         fields = [f for f in names if f != "lag"]  # lag is worked out here, not read
         with_error, with_lag = "error" in names, "lag" in names
+        if request.accepted_renderer.media_type == NDJSON and not q["groups"]:
+            return self._lines(request, job, q, fields, with_lag, with_error)
         try:
             batch = stream.take(job, q["consumer"], max_n=q["max"], wait_s=q["wait"], groups=q["groups"],
                                 skip_equal=q["skip_equal"], fields=fields, ack_token=q.get("ack"))
@@ -162,30 +179,85 @@ class JobStreamView(_JobStreamView):
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
                 "skipped_equal": batch["skipped_equal"], "current_version": current,
                 "groups": stream.group_ids(job, rows) if q["groups"] else None}
-        text_at = stream.ROW_TEXT  # where a row tuple holds its JSON text
         if not (with_lag or with_error):  # each row's text and its closing brace: one join
-            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[text_at] for r in rows]),
+            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[stream.ROW_TEXT] for r in rows]),
                      "}]}" if rows else "]}"]
-            return HttpResponse("".join(parts).encode(), content_type="application/json")
-        lags: dict[str, str] = {}  # the tail of each weight version's rows: `, "lag": n}`
-        parts = [_dumps(head)[:-1], ', "rollouts": [']
-        user = request.user
-        for i, row in enumerate(rows):
-            tail = "}"
-            if with_lag:
-                wv = row[stream.ROW_VERSION]
-                tail = lags.get(wv)
-                if tail is None:
-                    lag = stream.lag_of(wv, current)
-                    tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
-            if with_error:
-                error = row[stream.ROW_ERROR]
-                parts += (", " if i else "", row[text_at], ', "error": ', _dumps(shown_for(user, error)) if error else '""',
-                          tail)
-            else:
-                parts += (", " if i else "", row[text_at], tail)
-        parts.append("]}")
+        else:
+            parts = [_dumps(head)[:-1], ', "rollouts": [', _row_texts(rows, current, with_lag, with_error,
+                                                                       request.user, ", "), "]}"]
         return HttpResponse("".join(parts).encode(), content_type="application/json")
+
+    def _lines(self, request, job, q, fields, with_lag, with_error):
+        """The batch as JSON lines, streamed while the database reads it (stream.take_streamed): a line per
+        rollout (the fields of StreamRolloutSerializer), then one line {"batch": {...}} with what the JSON body's
+        head holds (token, cursor, count ...), sent once the batch is the consumer's pending one. A body without
+        that last line was cut off: take again (the same rows come)."""
+        kw = {"max_n": q["max"], "wait_s": q["wait"], "fields": fields, "ack_token": q.get("ack")}
+        steps = (stream.take_streamed(job, q["consumer"], **kw) if connection.vendor == "postgresql"
+                 else _steps_of_take(job, q["consumer"], kw))
+        try:
+            first = next(steps)  # the consumer locked and the ack applied: a conflict is a 409, not a cut body
+        except stream.StreamConflict as exc:
+            raise Conflict(str(exc)) from exc
+        user, consumer = request.user, q["consumer"]
+
+        def body():
+            try:
+                yield from _lines_of(steps, first[1])
+            finally:  # a client gone: the take's transaction rolled back now, not when the generator is collected
+                steps.close()
+
+        def _lines_of(steps, current):
+            count = 0
+            for kind, value in steps:
+                if kind == "current":
+                    current = value
+                elif kind == "rows":
+                    count += len(value)
+                    yield (_row_texts(value, current, with_lag, with_error, user, "\n") + "\n").encode()
+                else:
+                    head = {"job": job.pk, "consumer": consumer, "token": value["token"], "cursor": value["cursor"],
+                            "redelivered": value["redelivered"], "count": count,
+                            "skipped_stale": value["skipped_stale"], "skipped_equal": value["skipped_equal"],
+                            "current_version": value["current_version"], "groups": None}
+                    yield (_dumps({"batch": head}) + "\n").encode()
+
+        return StreamingHttpResponse(streamed_for(request, body()), content_type=f"{NDJSON}; charset=utf-8")
+
+
+def _steps_of_take(job, consumer: str, kw: dict):
+    """stream.take() (not streamed: another database than PostgreSQL) as take_streamed's steps."""
+    batch = stream.take(job, consumer, **kw)
+    yield "current", batch["current_version"]
+    rows = batch["rows"] if batch["rows"] is not None else stream.rows_json(batch["ids"], kw["fields"])
+    if rows:
+        yield "rows", rows
+    yield "end", batch
+
+
+def _row_texts(rows, current, with_lag: bool, with_error: bool, user, sep: str) -> str:
+    """The rows (stream.rows_json's tuples) as JSON objects joined by `sep`: each row's text, its `lag` and
+    `error` when asked for, its closing brace."""
+    text_at = stream.ROW_TEXT
+    if not (with_lag or with_error):
+        return ("}" + sep).join([r[text_at] for r in rows]) + "}" if rows else ""
+    lags: dict[str, str] = {}  # the tail of each weight version's rows: `, "lag": n}`
+    parts: list[str] = []
+    for i, row in enumerate(rows):
+        tail = "}"
+        if with_lag:
+            wv = row[stream.ROW_VERSION]
+            tail = lags.get(wv)
+            if tail is None:
+                lag = stream.lag_of(wv, current)
+                tail = lags[wv] = ', "lag": ' + ("null" if lag is None else str(lag)) + "}"
+        if with_error:
+            error = row[stream.ROW_ERROR]
+            parts += (sep if i else "", row[text_at], ', "error": ', _dumps(shown_for(user, error)) if error else '""',
+                      tail)
+        else:
+            parts += (sep if i else "", row[text_at], tail)
+    return "".join(parts)
 
 
 def _dumps(obj) -> str:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from controlplane.jobs.models import Rollout
+from controlplane.jobs.models import Rollout, StreamConsumer
 from rolloutctl.stream import RolloutStream
 from tests.factories import add_rollouts, make_dataset, make_endpoint, make_job, make_user
 
@@ -75,5 +75,38 @@ def test_a_lean_trainer_gets_only_its_fields_exactly_once_across_a_restart(live_
             seen += [r["id"] for r in batch.rollouts]
     for batch in open_stream().batches():
         assert all(set(r) == set(TRAIN_FIELDS) for r in batch.rollouts)
+        seen += [r["id"] for r in batch.rollouts]
+    assert seen == ok
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_trainer_gone_mid_body_leaves_nothing_handed_out_or_acknowledged(live_server):
+    """A take as JSON lines whose reader hangs up in the middle of the body: the take's transaction is rolled back
+    with the ack it carried; the next take (which waits for that rollback on the consumer's lock) hands out the
+    batch before again, and every row comes exactly once."""
+    import requests
+
+    user = make_user("gone-owner", token=True)
+    job = make_job(user, make_dataset(user, n=5), make_endpoint(user), n_rollouts=0, state="running")
+    add_rollouts(job, 9000)
+    ok = list(Rollout.objects.filter(job=job).order_by("id").values_list("id", flat=True))
+    stream = RolloutStream(live_server.url, user.api_token, job.pk, "gone", max=1000, wait=0)
+    first = stream.take()
+    assert [r["id"] for r in first.rollouts] == ok[:1000]
+    url = f"{live_server.url}/api/jobs/{job.pk}/stream/"
+    params = {"consumer": "gone", "max": 8000, "ack": first.token}  # ~15 MB of lines: more than sockets hold
+    with requests.get(url, params=params, stream=True, timeout=30,
+                      headers={"Authorization": f"Token {user.api_token}", "Accept": "application/x-ndjson"}) as r:
+        assert r.status_code == 200
+        assert r.raw.read(100_000).startswith(b'{"id": %d' % ok[1000])  # rows of the next batch came ...
+    # ... and the reader is gone before the last line
+    again = stream.take()
+    assert again.redelivered and again.token == first.token and [r["id"] for r in again.rollouts] == ok[:1000]
+    c = StreamConsumer.objects.get(job=job, name="gone")
+    assert c.cursor == 0 and c.delivered == 0  # the ack the cut take carried did not count
+    seen = [r["id"] for r in again.rollouts]
+    stream.ack(again)
+    for batch in stream.batches(until_finished=False, idle_timeout_s=0.5):
         seen += [r["id"] for r in batch.rollouts]
     assert seen == ok

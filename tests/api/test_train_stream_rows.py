@@ -151,3 +151,37 @@ def test_unknown_or_blank_fields_are_refused(api, alice, dataset, endpoint):
     assert schema.status_code == 200
     params = schema.json()["paths"]["/api/jobs/{job_id}/stream/"]["get"]["parameters"]
     assert "fields" in {p["name"] for p in params}
+
+
+def _take_lines(api, job, consumer="trainer", **params):
+    """A take as JSON lines (Accept: application/x-ndjson): (rollouts, the last line's batch)."""
+    import json
+
+    r = api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": consumer, **params}, HTTP_ACCEPT="application/x-ndjson")
+    assert r.status_code == 200 and r.streaming and r["Content-Type"].startswith("application/x-ndjson")
+    body = b"".join(r.streaming_content)
+    lines = [json.loads(line) for line in body.splitlines()]
+    batch = lines.pop()["batch"] if lines and "batch" in lines[-1] else None
+    return lines, batch
+
+
+def test_lines_carry_what_the_json_body_carries(api, alice, dataset, endpoint):
+    job = make_job(alice, dataset, endpoint, n_rollouts=0, state="running")
+    add_rollouts(job, 2500, failed_every=7)  # pages of STREAM_PAGE rows, failed rows among them
+    Rollout.objects.filter(job=job, task_index=3).update(error="kept: x \n y", weight_version="2")
+    for params in ({}, {"fields": "id,reward,weight_version,lag,error,data"}, {"fields": "id,data"}):
+        lines, head = _take_lines(api, job, "lines", max=2000, **params)
+        body = _take(api, job, "json", max=2000, **params)
+        assert len(lines) == head["count"] == body["count"] == 2000, (len(lines), head["count"], body["count"])
+        assert lines == body["rollouts"]
+        assert {k: v for k, v in head.items() if k != "token"} == \
+            {k: v for k, v in body.items() if k not in ("token", "rollouts")} | {"consumer": "lines"}
+        again, head2 = _take_lines(api, job, "lines", max=2000, **params)  # not acknowledged: the same again
+        assert again == lines and head2["redelivered"] and head2["token"] == head["token"]
+        for consumer, token in (("lines", head["token"]), ("json", body["token"])):
+            assert api.post(f"/api/jobs/{job.pk}/stream/ack/", {"consumer": consumer, "token": token},
+                            format="json").status_code == 200
+        StreamConsumer.objects.filter(job=job).delete()
+    # groups mode answers its JSON body whatever is asked for
+    r = api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": "g", "groups": "true"}, HTTP_ACCEPT="application/x-ndjson")
+    assert r.status_code == 200 and not r.streaming and r.json()["groups"] is not None
