@@ -14,15 +14,26 @@ JSONL export, with the process's memory.
    (wait=5) and acknowledges. Per rollout: the time the consumer had it - the time its batch committed.
    p50 / p95 / max.
 
+3. With `--http`: the same reads as a trainer makes them, through the product's web server (uvicorn, as `make
+   demo` and docker/compose.yml run it, in a process of its own) and rolloutctl's client in this one: the export
+   with `Client.iter_export` (each line decoded), the stream with `RolloutStream.take(ack=...)` batch after batch,
+   as JSON lines (the client's default) and as one JSON document a batch ("doc").
+   `--rounds` times each, the arms' order rotated each round; rows/s per arm and round, and each arm's median
+   share of the export's rows/s. Server and reader in separate processes, as in use: the export's server writes
+   while the reader decodes; so does the stream's as JSON lines, within each batch (as a document, the take and
+   the decode alternate).
+
 The database is a throwaway one created (and dropped) by the script, on the server of DATABASE_URL.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/controlplane .venv/bin/python -m bench.bench_stream
     ... -m bench.bench_stream --sizes 20000,200000 --batch 1000 --latency-s 20 --rate 500
     ... -m bench.bench_stream --sizes 1000000 --batch 2000 --latency-s 20     # 1M rows: filled by fill_fast
+    ... -m bench.bench_stream --sizes 200000 --batch 2000 --http --rounds 3     # through uvicorn, as a trainer
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -155,6 +166,98 @@ def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
     return out
 
 
+@contextlib.contextmanager
+def web_server():
+    """The product's web server (uvicorn, controlplane.asgi, as `make demo` starts it) on a free port, serving
+    this process's (throwaway) database with the API's throttles off: yields its base URL."""
+    import socket
+    import subprocess
+
+    import requests
+
+    db = connection.settings_dict
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    env = {**os.environ, "DATABASE_URL": url, "API_THROTTLE_USER_RATE": "100000000/min",
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "uvicorn"), "controlplane.asgi:application",
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                requests.get(f"{base}/healthz", timeout=2)
+                break
+            except requests.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the web server did not start") from None
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def export_http(base, token, job_id) -> int:
+    """The export as rolloutctl reads it (Client.iter_export), every line decoded: rows read."""
+    import json
+
+    from rolloutctl.client import Client as ApiClient
+
+    n, rest = 0, b""
+    for chunk in ApiClient(base, token).iter_export(job_id):
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            json.loads(line)
+            n += 1
+    return n
+
+
+def drain_http(base, token, job_id, consumer, batch, fields: str = "", lines: bool = True) -> int:
+    """The stream as a trainer reads it: RolloutStream.take(ack=the batch before) until none is left; each batch
+    as JSON lines (the client's default), or as one JSON document (`lines=False`)."""
+    from rolloutctl.stream import RolloutStream
+
+    st = RolloutStream(base, token, job_id, consumer, max=batch, wait=0,
+                       fields=fields.split(",") if fields else None, lines=lines)
+    n, prev = 0, None
+    while (got := st.take(ack=prev)) is not None:
+        n += len(got)
+        prev = got
+    if prev is not None:
+        st.ack(prev)
+    return n
+
+
+def over_http(token, job_id, n, batch, fields, rounds) -> dict:
+    """`rounds` reads of every arm through the web server, the order rotated each round: {arm: [seconds...]}."""
+    arms = ["export", "stream", *(["fields="] if fields else []), "stream doc", *(["fields= doc"] if fields else [])]
+    out = {a: [] for a in arms}
+    with web_server() as base:
+        export_http(base, token, job_id)  # warms the server process and the table's pages
+        for k in range(rounds):
+            for a in arms[k % len(arms):] + arms[:k % len(arms)]:
+                t0 = time.perf_counter()
+                if a == "export":
+                    got = export_http(base, token, job_id)
+                else:
+                    name = f"http-{a.replace('=', '').replace(' ', '-')}-{k}"
+                    got = drain_http(base, token, job_id, name, batch, fields if a.startswith("fields=") else "",
+                                     lines=not a.endswith(" doc"))
+                out[a].append(time.perf_counter() - t0)
+                assert got == n, (a, got, n)
+            print("  round %d: " % (k + 1) + ", ".join(f"{a} {n / t[-1]:,.0f} rows/s" for a, t in out.items()),
+                  file=sys.stderr, flush=True)
+    return out
+
+
 def fill_fast(job, n: int, template: int = 2000) -> float:
     """fill_job for large sizes: `template` rows as bench_export writes them, then the rest copied from them by
     the database (INSERT ... SELECT, task i from template row i % template, its `_ng_task_index` set to i): the
@@ -249,6 +352,23 @@ def latency(client, token, job, args) -> dict:
     return {"n": len(lat), "stored": len(committed), "p50_ms": q(0.5), "p95_ms": q(0.95), "max_ms": q(1.0) if lat else 0}
 
 
+def print_http(results, args) -> None:
+    import statistics
+
+    print(f"\nThrough the web server (uvicorn, its own process; rolloutctl's client here), stream batches of "
+          f"{args.batch}, each take acknowledging the batch before; {args.rounds} rounds, order rotated\n")
+    arms = list(results[0][1]) if results else []
+    print(f"{'rollouts':>9} " + " ".join(f"{a + ' rows/s':>16}" for a in arms) + " "
+          + " ".join(f"{a + '/export':>16}" for a in arms if a != "export"))
+    for n, out in results:
+        med = {a: statistics.median(t) for a, t in out.items()}
+        print(f"{n:>9,} " + " ".join(f"{n / med[a]:>16,.0f}" for a in arms) + " "
+              + " ".join(f"{med['export'] / med[a]:>16.2f}" for a in arms if a != "export"))
+    print("stream / fields=: each batch as JSON lines (rolloutctl's default, decoded as they arrive); "
+          "doc: as one JSON document" + (f"; fields= is ?fields={args.fields}" if args.fields else "")
+          + "; medians of the rounds")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20000,200000", help="rollout counts, comma-separated")
@@ -263,6 +383,10 @@ def main(argv=None):
                          "on a shared, noisy machine")
     ap.add_argument("--fields", default="id,task_index,rollout_index,reward,weight_version,data",
                     help="a third arm: the stream with ?fields=these (comma-separated); '' to leave it out")
+    ap.add_argument("--http", action="store_true",
+                    help="only the reads through the web server (uvicorn) with rolloutctl's client, as a trainer "
+                         "makes them (no in-process reads, no latency run)")
+    ap.add_argument("--rounds", type=int, default=3, help="--http: reads of each arm, the order rotated")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
@@ -278,6 +402,9 @@ def main(argv=None):
             with connection.cursor() as cur:
                 cur.execute("ANALYZE jobs_rollout")
             print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)
+            if args.http:
+                results.append((n, over_http(token, job.pk, n, args.batch, args.fields, args.rounds)))
+                continue
             measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
             exp = export_parsed(client, token, job.pk, n)
             st = drain(client, token, job.pk, "drain", args.batch, total=n)
@@ -289,6 +416,9 @@ def main(argv=None):
             print(f"  export {n / exp['wall_s']:,.0f} rows/s, stream {n / st['wall_s']:,.0f} rows/s"
                   + (f", stream fields= {n / lean['wall_s']:,.0f} rows/s" if lean else ""), file=sys.stderr, flush=True)
 
+        if args.http:
+            print_http(results, args)
+            return
         live = CollectionJob.objects.create(owner=user, dataset=ds, endpoint=ep, state="running", total_rollouts=10**8)
         lat = latency(client, token, live, args)
 
