@@ -72,3 +72,70 @@ async def test_export_is_streamed_under_asgi(big_job, monkeypatch):
     lines = body.splitlines()
     assert len(lines) == ROWS and json.loads(lines[-1])["_ng_task_index"] == ROWS - 1
     assert rows_when_first_body is not None and rows_when_first_body < ROWS / 4, rows_when_first_body
+
+
+async def _asgi_get(path: str, query: str, token: str, accept: str, on_body=None) -> tuple[int, bytes]:
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5555),
+             "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Token {token}".encode()),
+                         (b"accept", accept.encode())]}
+    requested, sent = [], []
+
+    async def receive():
+        if not requested:
+            requested.append(1)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body") and on_body is not None:
+            on_body()
+        sent.append(message)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Warning)
+        await ASGIHandler()(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@pytest.mark.slow
+async def test_a_stream_batch_as_lines_is_streamed_under_asgi(big_job, monkeypatch):
+    """The rollout stream's take as JSON lines (what rolloutctl asks for) leaves page by page while the database
+    reads the batch, under ASGI; the last line comes once the batch is pending, and the next take (with the
+    ack) goes on after it."""
+    job, token = big_job
+    from controlplane.jobs import stream
+
+    pages = []
+    real = stream._plan_rows_pages
+
+    def counting(*a, **kw):
+        for page in real(*a, **kw):
+            pages.append(len(page))
+            yield page
+
+    monkeypatch.setattr(stream, "_plan_rows_pages", counting)
+    pages_at_first_body = []
+    path = f"/api/jobs/{job.pk}/stream/"
+    status, body = await _asgi_get(path, "consumer=asgi&max=2500&fields=id,data", token, "application/x-ndjson",
+                                   on_body=lambda: pages_at_first_body.append(len(pages)))
+    assert status == 200
+    lines = [json.loads(line) for line in body.splitlines()]
+    head = lines.pop()["batch"]
+    from asgiref.sync import sync_to_async
+    from django.db import connection
+
+    def stored_ids():
+        try:
+            return list(Rollout.objects.filter(job=job).order_by("id").values_list("id", flat=True))
+        finally:
+            connection.close()  # that thread's: the test database is dropped at the end
+
+    ids = await sync_to_async(stored_ids)()
+    assert [r["id"] for r in lines] == ids[:2500] and head["count"] == 2500 and head["token"]
+    assert len(pages) == 2500 // stream.STREAM_PAGE and pages_at_first_body[0] == 1  # the first page went out first
+    status, body = await _asgi_get(path, f"consumer=asgi&max=2500&fields=id&ack={head['token']}", token,
+                                   "application/x-ndjson")
+    lines = [json.loads(line) for line in body.splitlines()]
+    assert status == 200 and [r["id"] for r in lines[:-1]] == ids[2500:] and lines[-1]["batch"]["count"] == 500
