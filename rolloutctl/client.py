@@ -16,6 +16,8 @@ import requests
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_READ_TIMEOUT_S = 60.0
 RETRY_STATUSES = {429, 500, 502, 503, 504}
+# what reading a streamed answer's body can raise when the connection goes (requests wraps urllib3's errors)
+BODY_ERRORS = (requests.RequestException, OSError)
 
 
 class ApiError(Exception):

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from .client import ApiError, Client
+from .client import BODY_ERRORS, ApiError, Client
 
 TERMINAL_STATES = {"completed", "cancelled", "failed"}
 NDJSON = "application/x-ndjson"
@@ -103,21 +103,19 @@ class RolloutStream:
 
     def _get(self, params: dict, lines: bool) -> dict:
         """A take's body, decoded. `lines`: asked for as JSON lines, each rollout decoded as it arrives while the
-        server reads the next (decode_lines); else one JSON document read in one read (`.content` gathers it
+        server reads the next (decode_lines); else one JSON document read in 4 MiB reads (`.content` gathers it
         10 KiB at a time). A body cut off (the connection lost inside it, or no last line) is taken again like a
         take lost before its answer: the same batch comes."""
-        import urllib3
-
         headers = {"Accept": NDJSON} if lines else None
         for attempt in range(1 + self.client.retries):
             resp = self.client.request("GET", f"jobs/{self.job}/stream/", params=params, stream=True, headers=headers)
             try:
-                body = decode_lines(resp.raw.stream(1 << 16, decode_content=True)) if lines else \
-                    decode_batch(resp.raw.read(decode_content=True))
+                body = decode_lines(resp.iter_content(1 << 16)) if lines else \
+                    decode_batch(b"".join(resp.iter_content(1 << 22)))
                 if body is not None:
                     return body
                 cut: object = "no last line"
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
+            except BODY_ERRORS as exc:
                 cut = exc
             finally:
                 resp.close()
