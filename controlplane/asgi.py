@@ -12,11 +12,13 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from controlplane.bodylimit import BodySizeLimitMiddleware  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
+from controlplane.senddeadline import SendDeadlineMiddleware  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        # Bodies over the limit are refused before Django reads them (see controlplane.bodylimit).
-        "http": BodySizeLimitMiddleware(django_asgi_app),
+        # Bodies over the limit are refused before Django reads them (see controlplane.bodylimit); a client that
+        # stops reading an answer is let go (controlplane.senddeadline).
+        "http": SendDeadlineMiddleware(BodySizeLimitMiddleware(django_asgi_app)),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -180,6 +180,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = 10 * 1024 * 1024
 # Request bodies, refused (413) before any parsing by controlplane.bodylimit: every request, and the
 # dataset upload routes for a request with credentials.
 REQUEST_MAX_BODY_BYTES = env.int("REQUEST_MAX_BODY_BYTES", default=1024 * 1024)
+# A response part the client has not taken within this long: the client is taken as gone (controlplane/senddeadline.py)
+WEB_SEND_TIMEOUT_S = env.float("WEB_SEND_TIMEOUT_S", default=60.0)
 UPLOAD_MAX_BODY_BYTES = env.int("UPLOAD_MAX_BODY_BYTES", default=1024 * 1024 * 1024)
 UPLOAD_PATHS = ["/api/datasets/", "/datasets/upload/"]
 # Uploaded files above this size are spooled to disk, never held whole in memory.

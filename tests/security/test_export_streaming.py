@@ -139,3 +139,53 @@ async def test_a_stream_batch_as_lines_is_streamed_under_asgi(big_job, monkeypat
                                    "application/x-ndjson")
     lines = [json.loads(line) for line in body.splitlines()]
     assert status == 200 and [r["id"] for r in lines[:-1]] == ids[2500:] and lines[-1]["batch"]["count"] == 500
+
+
+@pytest.mark.slow
+async def test_a_client_that_stops_reading_is_let_go_and_its_take_rolled_back(big_job, settings):
+    """A hostile or stuck client that takes a stream batch as lines and then reads nothing (without hanging up)
+    holds the take's transaction, the consumer's lock and a pooled connection only until WEB_SEND_TIMEOUT_S:
+    then it is let go as a client gone, the take is rolled back, and the connection is free again."""
+    import time
+
+    from asgiref.sync import sync_to_async
+    from django.db import connection
+
+    from controlplane.asgi import application
+    from controlplane.jobs.models import StreamConsumer
+
+    job, token = big_job
+    settings.WEB_SEND_TIMEOUT_S = 0.5
+    path = f"/api/jobs/{job.pk}/stream/"
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"consumer=stuck&max=2500", "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5555),
+             "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Token {token}".encode()),
+                         (b"accept", b"application/x-ndjson")]}
+    requested, bodies = [], []
+
+    async def receive():
+        if not requested:
+            requested.append(1)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # never hangs up
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            bodies.append(message["body"])
+            await asyncio.Event().wait()  # ... and never reads a byte of the body
+
+    t0 = time.monotonic()
+    await asyncio.wait_for(application(scope, receive, send), 20)
+    assert time.monotonic() - t0 < 10 and len(bodies) == 1  # let go after its first part
+
+    def consumer_state():
+        try:
+            c = StreamConsumer.objects.filter(job=job, name="stuck").first()
+            return None if c is None else (c.pending_token, c.cursor, c.delivered)
+        finally:
+            connection.close()
+
+    assert await sync_to_async(consumer_state)() in (None, ("", 0, 0))  # nothing handed out: the take rolled back
+    status, body = await _asgi_get(path, "consumer=stuck&max=10&fields=id", token, "application/x-ndjson")
+    assert status == 200 and json.loads(body.splitlines()[-1])["batch"]["count"] == 10  # the lock is free
