@@ -179,13 +179,9 @@ class JobStreamView(_JobStreamView):
                 "redelivered": batch["redelivered"], "count": len(rows), "skipped_stale": batch["skipped_stale"],
                 "skipped_equal": batch["skipped_equal"], "current_version": current,
                 "groups": stream.group_ids(job, rows) if q["groups"] else None}
-        if not (with_lag or with_error):  # each row's text and its closing brace: one join
-            parts = [_dumps(head)[:-1], ', "rollouts": [', "}, ".join([r[stream.ROW_TEXT] for r in rows]),
-                     "}]}" if rows else "]}"]
-        else:
-            parts = [_dumps(head)[:-1], ', "rollouts": [', _row_texts(rows, current, with_lag, with_error,
-                                                                       request.user, ", "), "]}"]
-        return HttpResponse("".join(parts).encode(), content_type="application/json")
+        texts = _row_texts(rows, current, with_lag, with_error, request.user, ", ")
+        return HttpResponse("".join([_dumps(head)[:-1], ', "rollouts": [', texts, "]}"]).encode(),
+                            content_type="application/json")
 
     def _lines(self, request, job, q, fields, with_lag, with_error):
         """The batch as JSON lines, streamed while the database reads it (stream.take_streamed): a line per
@@ -202,25 +198,22 @@ class JobStreamView(_JobStreamView):
         user, consumer = request.user, q["consumer"]
 
         def body():
+            current, count = first[1], 0
             try:
-                yield from _lines_of(steps, first[1])
+                for kind, value in steps:
+                    if kind == "current":
+                        current = value
+                    elif kind == "rows":
+                        count += len(value)
+                        yield (_row_texts(value, current, with_lag, with_error, user, "\n") + "\n").encode()
+                    else:
+                        head = {"job": job.pk, "consumer": consumer, "token": value["token"],
+                                "cursor": value["cursor"], "redelivered": value["redelivered"], "count": count,
+                                "skipped_stale": value["skipped_stale"], "skipped_equal": value["skipped_equal"],
+                                "current_version": value["current_version"], "groups": None}
+                        yield (_dumps({"batch": head}) + "\n").encode()
             finally:  # a client gone: the take's transaction rolled back now, not when the generator is collected
                 steps.close()
-
-        def _lines_of(steps, current):
-            count = 0
-            for kind, value in steps:
-                if kind == "current":
-                    current = value
-                elif kind == "rows":
-                    count += len(value)
-                    yield (_row_texts(value, current, with_lag, with_error, user, "\n") + "\n").encode()
-                else:
-                    head = {"job": job.pk, "consumer": consumer, "token": value["token"], "cursor": value["cursor"],
-                            "redelivered": value["redelivered"], "count": count,
-                            "skipped_stale": value["skipped_stale"], "skipped_equal": value["skipped_equal"],
-                            "current_version": value["current_version"], "groups": None}
-                    yield (_dumps({"batch": head}) + "\n").encode()
 
         return StreamingHttpResponse(streamed_for(request, body()), content_type=f"{NDJSON}; charset=utf-8")
 
