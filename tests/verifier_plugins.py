@@ -59,3 +59,12 @@ def counted(row, response_text, options):
 def counted_io(row, response_text, options):
     """The same in a thread (io kind)."""
     return counted(row, response_text, options)
+
+
+@verifier(required_fields=(), options={"sleep_s": (float, 0.0)}, kind="io")
+def slow_io(row, response_text, options):
+    """Reward 1 after `sleep_s` (a verifier that waits on something else: a judge, a sandbox)."""
+    import time
+
+    time.sleep(options["sleep_s"])
+    return 1.0

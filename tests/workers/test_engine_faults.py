@@ -138,8 +138,10 @@ async def test_endpoint_dying_mid_run_records_failures_instead_of_failing_the_ru
                 sim.stop()
     sink = StopAfterFirst()
     summary = await run_collection(spec_for(sim, parallelism=1, max_retries=1), materialize(math_rows(6), 1), sink)
-    assert summary.completed == 3 and summary.failed == 3 and not summary.fatal_error
-    assert all(r.failure_class == FailureClass.CONNECTION for r in sink.results[3:])
+    # the request after the third may have been answered before the server stopped (verification holds no
+    # request slot); every later one fails, and the run goes on to the end
+    assert summary.completed in (3, 4) and summary.completed + summary.failed == 6 and not summary.fatal_error
+    assert all(r.failure_class == FailureClass.CONNECTION for r in sink.results[summary.completed:])
 
 
 def test_backoff_and_retry_after_parsing():

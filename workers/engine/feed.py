@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -45,6 +46,50 @@ class Residency:
         self.limit = limit
         if self.used < limit:
             self.event.set()
+
+
+class RequestSlots:
+    """At most `limit` requests in flight (the run's parallelism) among more workers: a worker verifying a
+    rollout holds no slot, so the model server is sent the next request meanwhile. The limit can change at
+    runtime (a lower one takes effect as slots are released). Waiters are served in order."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future] = deque()
+
+    async def acquire(self) -> None:
+        if self.used < self.limit and not self._waiters:
+            self.used += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # granted: `used` was counted for this waiter by _wake
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled before it ran: give it back
+                self.release()
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self) -> None:
+        self.used -= 1
+        self._wake()
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used < self.limit:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += 1
+                fut.set_result(None)
 
 
 async def feed(tasks, put: Callable, resident: Residency, loop: asyncio.AbstractEventLoop,

@@ -5,14 +5,16 @@ Shape of a run
 * One session for the whole run (connector limit sized to parallelism), made by the outbound gate
   (workers.outbound.gated_session: allow-list, checked and pinned addresses, no redirects, capped reads).
 * A feeder coroutine (workers.engine.feed) pulls TaskItems lazily from the given (async) iterable into a queue, never
-  holding more than `max_resident` tasks (default 2 x parallelism) between reading a task and emitting
-  its result (queued + in flight + being emitted). Plain synchronous iterators other than in-memory
+  holding more than `max_resident` tasks (default: the workers plus `parallelism`) between reading a task and
+  emitting its result (queued + in flight + being emitted). Plain synchronous iterators other than in-memory
   sequences are advanced in one dedicated thread, in small batches, so that an iterator that does
   blocking I/O (e.g. a database cursor) never blocks the event loop and always runs in the same thread.
-* A fixed pool of `parallelism` worker coroutines takes tasks off the queue; a worker holds one task
-  from request to emitted result, so at most `parallelism` tasks are in flight and at most
-  `max_resident` tasks are in memory whatever the dataset size. The pool grows or shrinks when the
-  control asks for another parallelism (idle workers retire at once, busy ones after their task).
+* A fixed pool of worker coroutines takes tasks off the queue; a worker holds one task from request to emitted
+  result. At most `parallelism` requests are in flight (RequestSlots): a worker gives its slot back when the
+  answer is in, so with a verifier there are 2 x `parallelism` workers and the model server gets the next
+  request while the last answer is verified (VERIFY_OFF_SLOT). At most `max_resident` tasks are in memory
+  whatever the dataset size. The pool grows or shrinks when the control asks for another parallelism (idle
+  workers retire at once, busy ones after their task).
 * CPU-bound verifiers run in a process pool (`verify_pool.VerifyPool`; the shared one unless the run is given
   another), warmed (each process has run the verifier once) before the first task is read, so no timing
   includes the pool's cold start; verifications go to the pool in batches (`VerifyBatcher`: a batch of one when the pool is idle,
@@ -24,8 +26,8 @@ Shape of a run
 
 Timings recorded on each RolloutResult (milliseconds, monotonic clock):
 * queue_ms: from the moment the task became resident (read from the iterator into the queue) to the
-  moment a worker slot took it and any client-side rate-limit pacing let it go: time spent waiting for
-  a parallelism slot (plus pacing).
+  moment its request got a slot (after any client-side rate-limit pacing): time spent waiting for a
+  parallelism slot (plus pacing).
 * ttft_ms: request sent -> first generated token (streaming), or the whole request (not streaming),
   of the last (successful) attempt.
 * generation_ms: first -> last generated token (streaming only; None otherwise).
@@ -55,7 +57,7 @@ from workers.verifiers.execution import VerifyExecutor
 from .attempt import Abandon, AttemptError, new_trace_id, send_attempt, traceparent
 from .convert import build_request, response_text
 from .fdlimit import check_open_file_limit
-from .feed import END, Residency, feed
+from .feed import END, RequestSlots, Residency, feed
 from .materialize import merge_overrides, with_seed
 from .sources import run_class_for
 from .pacing import TokenBucket, backoff_delay
@@ -92,6 +94,11 @@ class CollectionRun:
     run's own machinery."""
 
     ROUTES_REPLICAS = True  # requests spread over base_urls by the ReplicaSet (NeMo Gym agent runs route their own)
+    # A rollout's verification holds no request slot: twice the parallelism in workers, of which at most the
+    # parallelism have a request in flight (RequestSlots), so the model server gets the next request while the
+    # last answer is verified (at 200 ms a request and 64 in flight: 266 -> ~300 rollouts/s). Off for runs whose
+    # process_task is their own (a NeMo Gym agent verifies inside its /run).
+    VERIFY_OFF_SLOT = True
 
     def __init__(self, spec: CollectionSpec, sink: Sink, control: Control | None, verify_pool: VerifyPool | None = None):
         if not spec.endpoint.base_urls:
@@ -104,6 +111,9 @@ class CollectionRun:
         self.t0 = time.monotonic()
 
         self.target = max(1, int(spec.parallelism))
+        self.overlap_verify = (self.VERIFY_OFF_SLOT and spec.verify_mode != "deferred" and bool(spec.verifier)
+                               and spec.verifier != "none")
+        self.request_slots = RequestSlots(self.target)
         self.resident = Residency(self._resident_limit())
         self.queue: asyncio.Queue = asyncio.Queue()  # bounded by self.resident
 
@@ -180,9 +190,13 @@ class CollectionRun:
         self.last_tick = self.t0
 
     # ---------------------------------------------------------------- feeding
+    def _workers_for(self, parallelism: int) -> int:
+        return 2 * parallelism if self.overlap_verify else parallelism
+
     def _resident_limit(self) -> int:
-        """max_resident (default 2 x parallelism), never below the current parallelism."""
-        return max(self.target, int(self.spec.max_resident or 2 * self.target))
+        """max_resident (default: the workers and a queue of `parallelism` more), never below the workers."""
+        workers = self._workers_for(self.target)
+        return max(workers, int(self.spec.max_resident or workers + self.target))
 
     async def _feed(self, tasks):
         try:
@@ -211,7 +225,7 @@ class CollectionRun:
     async def _worker(self):
         me = asyncio.current_task()
         try:
-            while not self.stopping and self.n_workers <= self.target:
+            while not self.stopping and self.n_workers <= self._workers_for(self.target):
                 self.workers[me] = "idle"
                 entry = await self.queue.get()
                 if entry is END:
@@ -242,14 +256,16 @@ class CollectionRun:
         if n == self.target or self.stopping:
             return
         self.target = n
+        self.request_slots.set_limit(n)
         self.resident.set_limit(self._resident_limit())
         connector = getattr(self, "connector", None)
         if connector is not None and hasattr(connector, "_limit") and connector._limit and connector._limit < n:
             connector._limit = n  # aiohttp has no public setter; the pool must never be the smaller bound
-        if self.n_workers < n:
-            self._spawn(n - self.n_workers)
+        workers = self._workers_for(n)
+        if self.n_workers < workers:
+            self._spawn(workers - self.n_workers)
         else:
-            excess = self.n_workers - n
+            excess = self.n_workers - workers
             for task, state in list(self.workers.items()):
                 if excess <= 0:
                     break
@@ -310,6 +326,10 @@ class CollectionRun:
             if self.tpm is not None:
                 estimate = self._estimate_tokens(body)
                 await self.tpm.acquire(estimate)
+        await self.request_slots.acquire()
+        if self.stopping:  # paused or stopped while it waited for a slot: not started, collected by the next run
+            self.request_slots.release()
+            raise Abandon()
         t_slot = time.monotonic()
         result.queue_ms = (t_slot - t_enqueued) * 1000.0
         if self.tracer is not None:
@@ -319,29 +339,30 @@ class CollectionRun:
             response, unreachable = None, False
             if body is not None:
                 response, unreachable = await self._request_with_retries(path, body, result)
-            if response is not None:
-                usage = response.get("usage") or {}
-                result.input_tokens = usage.get("input_tokens")
-                result.output_tokens = usage.get("output_tokens")
-                if self.tpm is not None and usage:
-                    self.tpm.adjust(float(usage.get("total_tokens") or 0) - estimate)
-                if result.output_tokens:
-                    self.avg_output_tokens = 0.95 * self.avg_output_tokens + 0.05 * result.output_tokens
-                out_row["response"] = response
-                result.ok = True
-                if self.verifier is not None:
-                    await self.verify(row, response, result)
-            elif unreachable and self.completed == 0 and self.other_outcomes == 0:
-                # nothing has ever come back from the endpoint: stop the run, emit nothing
-                if not self.fatal_error:
-                    self.fatal_error = result.error
-                self.stop(cancel=True)
-                raise Abandon()
-            out_row["_ng_task_index"] = item.task_index
-            out_row["_ng_rollout_index"] = item.rollout_index
-            result.wall_ms = (time.monotonic() - t_slot) * 1000.0
-        finally:
+        finally:  # the slot goes to the next request; verification follows without it
             self.in_flight -= 1
+            self.request_slots.release()
+        if response is not None:
+            usage = response.get("usage") or {}
+            result.input_tokens = usage.get("input_tokens")
+            result.output_tokens = usage.get("output_tokens")
+            if self.tpm is not None and usage:
+                self.tpm.adjust(float(usage.get("total_tokens") or 0) - estimate)
+            if result.output_tokens:
+                self.avg_output_tokens = 0.95 * self.avg_output_tokens + 0.05 * result.output_tokens
+            out_row["response"] = response
+            result.ok = True
+            if self.verifier is not None:
+                await self.verify(row, response, result)
+        elif unreachable and self.completed == 0 and self.other_outcomes == 0:
+            # nothing has ever come back from the endpoint: stop the run, emit nothing
+            if not self.fatal_error:
+                self.fatal_error = result.error
+            self.stop(cancel=True)
+            raise Abandon()
+        out_row["_ng_task_index"] = item.task_index
+        out_row["_ng_rollout_index"] = item.rollout_index
+        result.wall_ms = (time.monotonic() - t_slot) * 1000.0
 
         await self.emit(result)
 
@@ -597,7 +618,7 @@ class CollectionRun:
                         self.done_event.set()
                     else:
                         self.feeder = self.loop.create_task(self._feed(tasks))
-                        self._spawn(self.target)
+                        self._spawn(self._workers_for(self.target))
                     await self.done_event.wait()
                 except asyncio.CancelledError:  # the caller cancelled us: stop promptly, then re-raise
                     self.cancelled = True

@@ -68,6 +68,7 @@ class _LastTickWaitsForScrape:
 
 class AgentRun(CollectionRun):
     ROUTES_REPLICAS = False  # its base URLs are a head server or agents, routed by _urls_for
+    VERIFY_OFF_SLOT = False  # the agent verifies inside its /run: one worker per rollout in flight
 
     def __init__(self, spec, sink, control, verify_pool=None):
         # the agent verifies; its answer is one JSON body (no streaming)
