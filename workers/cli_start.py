@@ -38,6 +38,8 @@ def prewarm_from_argv(argv: list[str]) -> threading.Thread | None:
     if opts.get("agent_name") and not (opts.get("model_base_url") or opts.get("policy_base_url")):
         return None  # a NeMo Gym agent run: the agents verify
     verifier = opts.get("verifier", "math")
+    if verifier == "math" and opts.get("verify_mode") != "fast":
+        _start_fork_server()  # its imports run on another core while this process imports what follows
     size = int(os.environ.get("VERIFY_POOL_PROCESSES") or 0) or None
     pool = _pool_to_warm(verifier, opts.get("verify_mode") == "fast")
     if pool is None:
@@ -57,6 +59,15 @@ def split_verifier_pool(engine_processes) -> None:
         return  # the command says what is wrong with the value
     if n > 1 and not os.environ.get("VERIFY_POOL_PROCESSES"):
         os.environ["VERIFY_POOL_PROCESSES"] = str(max(1, -(-(os.cpu_count() or 1) // n)))
+
+
+def _start_fork_server() -> None:
+    try:
+        from workers.engine import forkserver
+
+        forkserver.start()
+    except Exception:  # noqa: BLE001  (the pool starts it itself)
+        pass
 
 
 def _pool_to_warm(verifier: str, fast: bool):

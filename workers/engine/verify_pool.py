@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -29,15 +28,11 @@ from workers.profiling.core import unwrap_result, verify_call
 from workers.verifiers import verify_row
 from workers.verifiers.execution import verify_items
 
+from . import forkserver
+
 
 def _mp_context():
-    """forkserver where available (never fork: the engine often runs in a thread of a threaded process)."""
-    methods = multiprocessing.get_all_start_methods()
-    if "forkserver" in methods:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["workers.verifiers", "math_verify"])
-        return ctx
-    return multiprocessing.get_context("spawn")
+    return forkserver.context()
 
 
 log = logging.getLogger(__name__)
@@ -80,13 +75,14 @@ class VerifierCrashed(Exception):
 
 
 def _warm_verifier(name: str) -> int:
-    """In a pool process: run the verifier once (sympy / math-verify's lazy set-up), then hold the process a
-    moment so that the next warm-up call lands on another process of the pool."""
+    """In a pool process: run the verifier once (sympy / math-verify's lazy set-up; math's is done in the fork
+    server already, see pool_preload), then hold the process a moment so that the next warm-up call lands on
+    another process of the pool, if it has started by then."""
     try:
         verify_row(name, {"expected_answer": "2"}, "The answer is \\boxed{2}")
     except Exception:  # noqa: BLE001  (a verifier that needs other fields is still imported and set up)
         pass
-    time.sleep(0.2)
+    time.sleep(0.05)
     return os.getpid()
 
 
