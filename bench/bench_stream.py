@@ -57,6 +57,10 @@ try:  # as the trainer's client decodes a batch (before it had decode_batch: req
     from rolloutctl.stream import decode_batch  # noqa: E402
 except ImportError:
     from json import loads as decode_batch  # noqa: E402
+try:  # an export line decoded as rolloutctl decodes a stream's (orjson where it has it): the same decoder each arm
+    from rolloutctl.client import loads  # noqa: E402
+except ImportError:
+    from json import loads  # noqa: E402
 
 
 def rss_marks(total: int):
@@ -73,8 +77,6 @@ def rss_marks(total: int):
 
 def export_parsed(client, token, job_id, total: int = 0) -> dict:
     """GET /api/jobs/<id>/export/?which=ok, every line decoded (what a trainer reading the export does)."""
-    import json
-
     marks, at = rss_marks(total)
     sampler = RssSampler()
     sampler.start()
@@ -86,7 +88,7 @@ def export_parsed(client, token, job_id, total: int = 0) -> dict:
         lines = (rest + chunk).split(b"\n")
         rest = lines.pop()
         for line in lines:
-            json.loads(line)
+            loads(line)
             n += 1
         at(n)
     resp.close()
@@ -121,8 +123,6 @@ def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
     stream batch (decoded), one `fields=` batch when given, the arms' order rotated each round, until every
     arm has read every row. A shared machine's load comes and goes in seconds; in turns it slows every arm
     alike, so the ratios hold where back-to-back runs differ by 2x. Seconds and rows per arm."""
-    import json
-
     auth = {"HTTP_AUTHORIZATION": f"Token {token}"}
     resp = client.get(f"/api/jobs/{job_id}/export/?which=ok", **auth)
     chunks, rest = iter(resp.streaming_content), [b""]
@@ -136,7 +136,7 @@ def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
             lines = (rest[0] + chunk).split(b"\n")
             rest[0] = lines.pop()
             for line in lines:
-                json.loads(line)
+                loads(line)
                 n += 1
         return n
 
@@ -206,8 +206,6 @@ def web_server():
 
 def export_http(base, token, job_id) -> int:
     """The export as rolloutctl reads it (Client.iter_export), every line decoded: rows read."""
-    import json
-
     from rolloutctl.client import Client as ApiClient
 
     n, rest = 0, b""
@@ -215,7 +213,7 @@ def export_http(base, token, job_id) -> int:
         lines = (rest + chunk).split(b"\n")
         rest = lines.pop()
         for line in lines:
-            json.loads(line)
+            loads(line)
             n += 1
     return n
 
@@ -236,26 +234,47 @@ def drain_http(base, token, job_id, consumer, batch, fields: str = "", lines: bo
     return n
 
 
-def over_http(token, job_id, n, batch, fields, rounds) -> dict:
-    """`rounds` reads of every arm through the web server, the order rotated each round: {arm: [seconds...]}."""
-    arms = ["export", "stream", *(["fields="] if fields else []), "stream doc", *(["fields= doc"] if fields else [])]
+def _use_decoder(name: str) -> None:
+    """Every reader of this bench (export lines, stream batches) decodes with `name`: "orjson" (rolloutctl's own)
+    or "json" (the standard library's, what rolloutctl used before)."""
+    import json
+
+    import rolloutctl.stream
+
+    global loads
+    loads = rolloutctl.stream.loads = json.loads if name == "json" else _ROLLOUTCTL_LOADS
+
+
+_ROLLOUTCTL_LOADS = loads
+
+
+def over_http(token, job_id, n, batch, fields, rounds, decoders=("orjson",)) -> dict:
+    """`rounds` reads of every arm through the web server, the order rotated each round: {arm: [seconds...]}.
+    With more than one decoder, every arm once with each (named "<arm> <decoder>")."""
+    base_arms = ["export", "stream", *(["fields="] if fields else []), "stream doc",
+                 *(["fields= doc"] if fields else [])]
+    arms = base_arms if len(decoders) == 1 else [f"{a} {d}" for d in decoders for a in base_arms]
     out = {a: [] for a in arms}
+    cpu = {a: [] for a in arms}  # this process's (the reader's) CPU seconds per run
     with web_server() as base:
         export_http(base, token, job_id)  # warms the server process and the table's pages
         for k in range(rounds):
             for a in arms[k % len(arms):] + arms[:k % len(arms)]:
-                t0 = time.perf_counter()
-                if a == "export":
+                _use_decoder(a.rsplit(" ", 1)[1] if len(decoders) > 1 else decoders[0])
+                a_base = a.rsplit(" ", 1)[0] if len(decoders) > 1 else a
+                c0, t0 = time.process_time(), time.perf_counter()
+                if a_base == "export":
                     got = export_http(base, token, job_id)
                 else:
                     name = f"http-{a.replace('=', '').replace(' ', '-')}-{k}"
                     got = drain_http(base, token, job_id, name, batch, fields if a.startswith("fields=") else "",
-                                     lines=not a.endswith(" doc"))
+                                     lines=not a_base.endswith(" doc"))
                 out[a].append(time.perf_counter() - t0)
+                cpu[a].append(time.process_time() - c0)
                 assert got == n, (a, got, n)
             print("  round %d: " % (k + 1) + ", ".join(f"{a} {n / t[-1]:,.0f} rows/s" for a, t in out.items()),
                   file=sys.stderr, flush=True)
-    return out
+    return {"wall": out, "cpu": cpu}
 
 
 def fill_fast(job, n: int, template: int = 2000) -> float:
@@ -357,16 +376,24 @@ def print_http(results, args) -> None:
 
     print(f"\nThrough the web server (uvicorn, its own process; rolloutctl's client here), stream batches of "
           f"{args.batch}, each take acknowledging the batch before; {args.rounds} rounds, order rotated\n")
-    arms = list(results[0][1]) if results else []
+    arms = list(results[0][1]["wall"]) if results else []
     print(f"{'rollouts':>9} " + " ".join(f"{a + ' rows/s':>16}" for a in arms) + " "
-          + " ".join(f"{a + '/export':>16}" for a in arms if a != "export"))
+          + " ".join(f"{a + '/export':>16}" for a in arms if not a.startswith("export")))
+
+    def export_of(arm: str) -> str:  # the export read with the arm's decoder
+        suffix = arm.rsplit(" ", 1)[-1]
+        return f"export {suffix}" if f"export {suffix}" in arms else "export"
+
     for n, out in results:
-        med = {a: statistics.median(t) for a, t in out.items()}
+        med = {a: statistics.median(t) for a, t in out["wall"].items()}
         print(f"{n:>9,} " + " ".join(f"{n / med[a]:>16,.0f}" for a in arms) + " "
-              + " ".join(f"{med['export'] / med[a]:>16.2f}" for a in arms if a != "export"))
+              + " ".join(f"{med[export_of(a)] / med[a]:>16.2f}" for a in arms if not a.startswith("export")))
     print("stream / fields=: each batch as JSON lines (rolloutctl's default, decoded as they arrive); "
           "doc: as one JSON document" + (f"; fields= is ?fields={args.fields}" if args.fields else "")
           + "; medians of the rounds")
+    print("\nThe reader's CPU (this process: rolloutctl's client, decoding), µs per rollout, median of the rounds:")
+    for n, out in results:
+        print(f"{n:>9,} " + " ".join(f"{a}: {statistics.median(c) / n * 1e6:.1f}" for a, c in out["cpu"].items()))
 
 
 def main(argv=None):
@@ -387,6 +414,8 @@ def main(argv=None):
                     help="only the reads through the web server (uvicorn) with rolloutctl's client, as a trainer "
                          "makes them (no in-process reads, no latency run)")
     ap.add_argument("--rounds", type=int, default=3, help="--http: reads of each arm, the order rotated")
+    ap.add_argument("--decoders", default="orjson", help="--http: the readers' JSON decoders, comma-separated: "
+                    "orjson (rolloutctl's), json (the standard library's); more than one: every arm with each")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
@@ -403,7 +432,8 @@ def main(argv=None):
                 cur.execute("ANALYZE jobs_rollout")
             print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)
             if args.http:
-                results.append((n, over_http(token, job.pk, n, args.batch, args.fields, args.rounds)))
+                results.append((n, over_http(token, job.pk, n, args.batch, args.fields, args.rounds,
+                                             tuple(args.decoders.split(",")))))
                 continue
             measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
             exp = export_parsed(client, token, job.pk, n)

@@ -23,12 +23,11 @@ Exactly once per consumer name: the control plane keeps the cursor. Acknowledge 
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from .client import BODY_ERRORS, ApiError, Client
+from .client import BODY_ERRORS, ApiError, Client, loads
 
 TERMINAL_STATES = {"completed", "cancelled", "failed"}
 NDJSON = "application/x-ndjson"
@@ -162,7 +161,7 @@ def decode_batch(content: bytes) -> dict:
     paused = gc.isenabled()
     gc.disable()
     try:
-        return json.loads(content)
+        return loads(content)
     finally:
         if paused:
             gc.enable()
@@ -175,7 +174,6 @@ def decode_lines(chunks: Iterable[bytes]) -> dict | None:
     rollouts: list[dict] = []
     head = None
     rest = b""
-    loads = json.loads
     paused = gc.isenabled()
     gc.disable()
     try:

@@ -66,3 +66,24 @@ def test_a_stream_batch_cut_off_mid_body_is_taken_again(lines):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_batch_decodes_exactly_what_json_reads():
+    """rolloutctl decodes with orjson, which refuses integers past 64 bits and NaN: such a row (a dataset's own
+    field) still comes whole, as the standard library reads it, in lines and in one document."""
+    import json
+    import math
+
+    from rolloutctl.stream import decode_batch, decode_lines
+
+    row = b'{"id": 3, "data": {"seed": 123456789012345678901234567890, "score": NaN, "text": "\\u00e9\\ud83d\\ude00"}}'
+    plain = b'{"id": 4, "data": {"seed": 1}}'
+    head = b'{"batch": {"token": "ab", "count": 2}}'
+    got = decode_lines([row[:20], row[20:] + b"\n" + plain + b"\n", head + b"\n"])
+    assert got["token"] == "ab" and got["rollouts"][1] == json.loads(plain)
+    first = got["rollouts"][0]
+    assert first["data"]["seed"] == 123456789012345678901234567890 and math.isnan(first["data"]["score"])
+    assert first["data"]["text"] == json.loads(row)["data"]["text"]
+    doc = decode_batch(b'{"count": 1, "rollouts": [' + row + b"]}")
+    assert doc["rollouts"][0]["data"]["seed"] == 123456789012345678901234567890
+    assert decode_lines([row + b"\n"]) is None  # no last line: cut off
