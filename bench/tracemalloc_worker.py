@@ -2,7 +2,8 @@
 with the rollouts it has done. Every BENCH_TRACEMALLOC_EVERY_S seconds (default 30) a snapshot; on exit (the
 bench's SIGTERM), and after each snapshot from the third on (a worker killed before it could write still leaves
 one), DIR/<tag>.tracemalloc.txt gives the traced memory at each snapshot, and the allocation sites
-(file:line) that grew most from the second snapshot (the run warm) to the last one taken while a chunk ran.
+(file:line) that grew most from the second snapshot (the run warm; BENCH_TRACEMALLOC_BASE_S: the first taken that
+many seconds after the start, e.g. once the verify cache is full) to the last one taken while a chunk ran.
 
     python -m bench.tracemalloc_worker OUT_DIR TAG -A controlplane worker ...   # the rest: celery's arguments
 """
@@ -21,14 +22,22 @@ _lock = threading.Lock()
 _t0 = time.monotonic()
 
 
+def _base_index(snaps: list) -> int:
+    """The snapshot growth is measured from: the second, or the first at or after BENCH_TRACEMALLOC_BASE_S."""
+    base_s = float(os.environ.get("BENCH_TRACEMALLOC_BASE_S", "0"))
+    return next((i for i, (t, _, _) in enumerate(snaps) if i >= 1 and t >= base_s), len(snaps) - 1)
+
+
 def _sampler(every: float, out: Path, tag: str):
     while True:
         time.sleep(every)
         snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
         with _lock:
             _snaps.append((time.monotonic() - _t0, tracemalloc.get_traced_memory()[0], snap))
-            for i in range(2, len(_snaps) - 1):  # keep the second one and the last one whole
-                _snaps[i] = (*_snaps[i][:2], None)
+            base = _base_index(_snaps)
+            for i in range(len(_snaps) - 1):  # keep the base one and the last one whole
+                if i != base:
+                    _snaps[i] = (*_snaps[i][:2], None)
         if len(_snaps) >= 3:
             _dump(out, tag)
 
@@ -45,9 +54,9 @@ def _dump(out: Path, tag: str):
         snaps = list(_snaps)
     lines = ["traced MiB at each snapshot (s since start: MiB): "
              + "  ".join(f"{t:.0f}:{b / 2**20:.1f}" for t, b, _ in snaps)]
-    whole = [(t, s) for t, _, s in snaps if s is not None]
-    if len(whole) >= 3:
-        (ta, a), (tb, b) = whole[1], whole[-1]
+    whole = [(t, s) for t, _, s in snaps[1:] if s is not None]
+    if len(whole) >= 2:
+        (ta, a), (tb, b) = whole[0], whole[-1]
         lines.append(f"grown from {ta:.0f}s to {tb:.0f}s, by allocation site:")
         lines += [str(st) for st in b.compare_to(a, "lineno")[:30]]
     tmp = out / f".{tag}.tracemalloc.txt"
