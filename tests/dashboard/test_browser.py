@@ -109,12 +109,14 @@ def test_dashboard_end_to_end_in_chromium(live_stack, tmp_path):
 
             # 4. the bar and the chart advance without a reload
             page.wait_for_selector("#live-status.live", timeout=15000)
-            done = lambda: int(_text(page, "#job-progress ~ .kpis [data-field=done]") or 0)  # noqa: E731
-            d1 = _wait_until(lambda: done() if done() > 0 else 0, 40, what="first progress")
-            w1 = page.eval_on_selector("#job-progress [data-field=bar]", "e => parseFloat(e.style.width)")
+            # the done count and the bar's width read together (an update between two reads paired a width with a
+            # later count: 4 done and the width of 15)
+            state = lambda: page.evaluate(  # noqa: E731
+                """() => [parseInt(document.querySelector('#job-progress ~ .kpis [data-field=done]').textContent.replace(/,/g, '')) || 0,
+                          parseFloat(document.querySelector('#job-progress [data-field=bar]').style.width)]""")
+            d1, w1 = _wait_until(lambda: (s := state())[0] > 0 and s, 40, what="first progress")
             pts1 = int(_text(page, "#chart-points"))
-            d2 = _wait_until(lambda: done() if done() >= d1 + 10 else 0, 40, what="more progress")
-            w2 = page.eval_on_selector("#job-progress [data-field=bar]", "e => parseFloat(e.style.width)")
+            d2, w2 = _wait_until(lambda: (s := state())[0] >= d1 + 10 and s, 40, what="more progress")
             pts2 = _wait_until(lambda: int(_text(page, "#chart-points")) if int(_text(page, "#chart-points")) > pts1 else 0,
                                20, what="chart points")
             assert d2 > d1 and w2 > w1 and pts2 > pts1
@@ -127,8 +129,8 @@ def test_dashboard_end_to_end_in_chromium(live_stack, tmp_path):
             page.evaluate("window.dashboardSocket.ws.close()")
             page.wait_for_selector("#live-status.down", timeout=5000)
             page.wait_for_selector("#live-status.live", timeout=15000)
-            d3 = done()
-            _wait_until(lambda: done() > d3, 20, what="progress after reconnect")
+            d3 = state()[0]
+            _wait_until(lambda: state()[0] > d3, 20, what="progress after reconnect")
             assert page.evaluate("window.__noReload") == "still here"
 
             # 6. cancel: it asks first; dismissed, nothing happens; accepted, the job stops
