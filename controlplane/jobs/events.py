@@ -8,7 +8,7 @@ job-wide figures. State changes publish the same message type with fresh counts 
 """
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal, TypedDict
 
@@ -67,6 +67,14 @@ class LiveFigures:
     output_tokens_per_s: float = 0.0
     errors: dict = field(default_factory=dict)  # by class, over the window
     chunks: int = 0  # chunks with a fresh sample
+
+    def with_run(self, tick) -> "LiveFigures":
+        """These figures plus a run's own (its latest ProgressTick), which no stored sample holds yet."""
+        errors = dict(self.errors)
+        for k, v in (tick.errors or {}).items():
+            errors[k] = errors.get(k, 0) + v
+        return replace(self, in_flight=self.in_flight + tick.in_flight, parallelism=self.parallelism + tick.parallelism,
+                       errors=errors)
 
 
 def live_figures(job_id: int, now=None) -> LiveFigures:
@@ -144,6 +152,17 @@ def job_progress(job, now=None) -> ProgressMessage:
     """The progress message for a job, from the database: what a reload shows and what every chunk's sink
     publishes (both aggregate the same stored samples)."""
     return progress_payload(job, live=live_figures(job.pk, now) if str(job.state) == "running" else None)
+
+
+def process_channel_layer():
+    """The process's channel layer (None when there is none or it cannot be built: the run goes on)."""
+    try:
+        from channels.layers import get_channel_layer
+
+        return get_channel_layer()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("no channel layer for progress messages (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def publish_job_state(job, timeout: float = 2.0) -> bool:

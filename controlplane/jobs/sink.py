@@ -26,7 +26,7 @@ from workers.engine.types import TIMING_FIELDS, ControlState, ProgressTick, Roll
 from workers.task_index import IndexRuns
 
 from . import figures
-from .events import LiveFigures, ProgressMessage, job_group, live_figures, progress_payload
+from .events import LiveFigures, ProgressMessage, job_group, live_figures, process_channel_layer, progress_payload
 from .openended import pass_rows
 from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 from .versions import VersionTagger
@@ -210,17 +210,6 @@ def _copy_insert_rollouts(rows: list[dict]) -> list[tuple[str, str, int, int]]:
 
 
 # --- the sink ------------------------------------------------------------------------------------
-def _process_channel_layer():
-    """The process's channel layer (None when there is none or it cannot be built: the run goes on)."""
-    try:
-        from channels.layers import get_channel_layer
-
-        return get_channel_layer()
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("no channel layer for progress messages (%s: %s)", type(exc).__name__, exc)
-        return None
-
-
 class DbSink:
     """Buffers RolloutResults and writes them in batches (flush_rows rows or every flush_interval_s),
     exactly once; keeps the job's counters, the chunk's heartbeat, the metric series and the live
@@ -264,6 +253,7 @@ class DbSink:
                         "parallelism": job.effective_parallelism}
         self.last_tick: ProgressTick | None = None
         self.live: LiveFigures | None = None  # the job's live figures, all chunks summed (events.live_figures)
+        self.sampled = False  # a sample of this run is stored (the job's figures include its own)
         self.running_s: float | None = None  # the job's running time (figures.running_seconds), read with them
         self.live_at: tuple[float, int] | None = None  # (unix time, rows stored) they were read at: the message's t
         self._job_stub = job  # for progress_payload's static fields
@@ -440,9 +430,15 @@ class DbSink:
             output_tokens_per_s=tick.output_tokens_per_s, in_flight=max(0, tick.in_flight),
             parallelism=max(0, tick.parallelism), errors=tick.errors or {}, extra=extra,
         )
+        self.sampled = True
         if not self._heartbeat(now) and not self.lease_lost:
             self.lease_lost = True
             logger.warning("job %s chunk %s: lease lost (another worker took the chunk)", self.job_id, self.chunk_id)
+        self._read_live(now)
+
+    def _read_live(self, now=None):
+        """On the DB thread: the job's figures, every chunk together, as of `now` (what the next message says)."""
+        now = now or timezone.now()
         self.job_row.update(self._read_job())
         self.live = live_figures(self.job_id, now)  # every chunk of the job, not only this one
         self._job_stub.state = self.job_row.get("state", self._job_stub.state)
@@ -456,9 +452,8 @@ class DbSink:
         row = self.job_row
         job.total_rollouts = row.get("total_rollouts", job.total_rollouts)
         live = self.live
-        if live is None and tick is not None:  # before the first sample is stored: this chunk's own figures
-            # (no rate yet: rates come from stored rows, none of this run's is stored)
-            live = LiveFigures(in_flight=tick.in_flight, parallelism=tick.parallelism, errors=dict(tick.errors or {}))
+        if not self.sampled and tick is not None:  # this run's own figures are in no stored sample yet
+            live = (live or LiveFigures()).with_run(tick)
         state = row.get("state", job.state)
         # running: the rates and running time are of the moment they were read (up to a tick ago), not of now
         t, stored = self.live_at if self.live is not None and self.live_at and str(state) == "running" else (None, None)
@@ -489,6 +484,11 @@ class DbSink:
     async def _publish(self, final=False):
         self._last_publish = time.monotonic()
         self._publish_dirty = False
+        if self.live is None:  # a first message: the job's rate as its other chunks made it, not 0 (a chart dip)
+            try:
+                await self.db.acall(self._read_live)
+            except Exception:
+                logger.exception("job %s: reading the job's live figures failed", self.job_id)
         message = self.payload()
         if self.on_progress is not None:
             try:
@@ -497,7 +497,7 @@ class DbSink:
                 logger.exception("on_progress callback failed")
         if not self._layer_resolved:
             self._layer_resolved = True
-            self.layer = await asyncio.to_thread(_process_channel_layer)
+            self.layer = await asyncio.to_thread(process_channel_layer)
         if self.layer:
             try:
                 await asyncio.wait_for(self.layer.group_send(self.group, message), timeout=2.0)

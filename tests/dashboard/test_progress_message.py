@@ -103,3 +103,38 @@ def test_a_sinks_message_is_dated_when_its_figures_were_read(django_user_model):
     msg = sink.payload()
     assert msg["t"] == pytest.approx(sample.t.timestamp(), abs=0.05)  # not the publish time, 0.3 s later
     assert msg["elapsed_s"] == pytest.approx(sample.extra["busy_s"], abs=0.05)  # the run's first request on
+
+
+@pytest.mark.django_db(transaction=True)  # the sink reads on its own thread and connection
+def test_a_new_chunks_first_message_carries_the_jobs_rate(django_user_model):
+    """A chunk that starts while the job's other chunks run publishes before its first sample is stored: its
+    message says the job's rate and in flight (theirs plus its own), not a rate of 0 (the page's chart would
+    drop to 0 and back each time a chunk starts)."""
+    import asyncio
+
+    from controlplane.jobs.models import JobChunk
+    from controlplane.jobs.sink import DbSink, DbThread
+    from workers.engine.types import ProgressTick
+
+    alice = django_user_model.objects.create_user(username="alice", password="alice-pw-123")
+    job = make_job(alice, make_dataset(alice, n=40), make_endpoint(alice), n_rollouts=30, state="running")
+    job_now = job_progress(job)
+    assert job_now["samples_per_s"] > 0 and job_now["in_flight"] == 4  # the other chunk's rows and samples
+    chunk = JobChunk.objects.create(job=job, index=1, start_row=30, end_row=40, state="running", lease_owner="w#2")
+    sent = []
+    db = DbThread()
+    sink = DbSink(job=job, chunk=chunk, lease_owner="w#2", worker_name="w2", db=db, channel_layer=False,
+                  on_progress=sent.append)
+    sink.last_tick = ProgressTick(elapsed_s=0.2, completed=0, failed=0, in_flight=3, parallelism=3, samples_per_s=0.0,
+                                  output_tokens_per_s=0.0, errors={"http_429": 1})
+    try:
+        asyncio.run(sink._publish())
+    finally:
+        db.close()
+    (msg,) = sent
+    assert_shape(msg)
+    assert msg["state"] == "running"
+    assert msg["samples_per_s"] == pytest.approx(job_now["samples_per_s"], rel=0.05)
+    assert msg["in_flight"] == 4 + 3
+    assert msg["errors"]["http_429"] == job_now["errors"]["http_429"] + 1
+    assert msg["elapsed_s"] == pytest.approx(job_now["elapsed_s"], abs=1.0)
