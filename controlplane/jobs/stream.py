@@ -284,17 +284,45 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
     """The consumer's next batch (its pending one again when not acknowledged), waiting up to wait_s for
     rollouts to land. {"token", "cursor", "redelivered", "ids", "skipped_stale", "skipped_equal", "current_version",
     "rows"}; token "" with no ids when nothing came within wait_s. `fields`: the rows' fields as rows_json(ids,
-    fields) gives them (which rows are handed out does not depend on them); on PostgreSQL a fresh batch of rows (not groups) is read whole while it is planned and
-    comes as "rows" (else "rows" is None: read them with rows_json). `ack_token`: acknowledge that batch first, as
-    ack() does, in the same transaction as the take's first look (one request per batch: fewer round trips to
-    the database, each a wait for its process to be scheduled on a busy machine). `job`: as read just before
-    (the first look uses its bound and repeats as they are; the later looks of a long poll read them again)."""
+    fields) gives them (which rows are handed out does not depend on them); on PostgreSQL a fresh batch of rows (not
+    groups) is read whole while it is planned and comes as "rows" (else "rows" is None: read them with rows_json).
+    `ack_token`: acknowledge that batch first, as ack() does, in the same transaction as the take's first look (one
+    request per batch: fewer round trips to the database, each a wait for its process to be scheduled on a busy
+    machine). `job`: as read just before (the first look uses its bound and repeats as they are; the later looks of
+    a long poll read them again)."""
+    for kind, value in _take_steps(job, name, max_n=max_n, wait_s=wait_s, groups=groups, skip_equal=skip_equal,
+                                   fields=fields, ack_token=ack_token, stream=False):
+        if kind == "end":
+            return value
+    raise AssertionError("a take ends with its batch")  # pragma: no cover
+
+
+def take_streamed(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, fields=None,
+                  ack_token: str | None = None) -> Iterator[tuple[str, object]]:
+    """take() for rows (not groups) on PostgreSQL, as it reads: yields ("current", the current version) at each
+    look (its first, once the consumer is locked and `ack_token` applied: a StreamConflict comes before it), then
+    ("rows", [row tuples as rows_json gives them]) page by page (STREAM_PAGE rows) while the batch is planned, so a
+    reader decodes a page while the database writes the next, then ("end", take()'s dict less "rows"), sent once the
+    batch is committed as the consumer's pending one: a reader that has the end line holds a token it can
+    acknowledge. A reader that hangs up before it leaves the transaction rolled back (nothing handed out, nothing
+    acknowledged: the same rows come again)."""
+    return _take_steps(job, name, max_n=max_n, wait_s=wait_s, groups=False, skip_equal=False, fields=fields,
+                       ack_token=ack_token, stream=True)
+
+
+def _take_steps(job, name: str, *, max_n: int, wait_s: float, groups: bool, skip_equal: bool, fields,
+                ack_token: str | None, stream: bool) -> Iterator[tuple[str, object]]:
+    """The one loop of take() and take_streamed(): ("current", version) at each look, ("rows", page) as a
+    streamed batch's rows are read (`stream`: rows mode on PostgreSQL, a redelivered batch's too), then ("end", the
+    batch's dict: with "rows" unless streamed)."""
+    from . import services
+
     max_n = max(1, min(int(max_n), MAX_BATCH))
     deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
     skipped_stale = skipped_equal = 0
     looked = False
     while True:
-        passed = False
+        passed, redelivered, rows, stale = False, None, None, []
         with transaction.atomic():
             c = _locked_consumer(job, name, groups=groups, skip_equal=skip_equal)
             acked = []
@@ -302,117 +330,65 @@ def take(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, groups: bool 
                 acked = _ack_in(c, ack_token)  # saved with what the take changes, in one UPDATE
                 ack_token = None  # once: a take that waits and looks again does not acknowledge again
             current = current_version(job.endpoint_id)
-            if c.pending_token:
-                if acked:
-                    c.save(update_fields=acked)
-                return {"token": c.pending_token, "cursor": c.pending_cursor, "redelivered": True,
-                        "ids": unpack_ids(c.pending_ids), "skipped_stale": 0, "skipped_equal": 0,
-                        "current_version": current, "rows": None}
-            if looked:  # `job` was read by the caller just before (its request); a long poll's later looks re-read it
-                job.refresh_from_db(fields=["max_version_lag", "stale_policy", "num_repeats", "verify_mode"])
-            looked = True
-            rows = None
-            if groups:
-                ids, stale, equal, high = _plan_groups(job, c.cursor, max_n, current, skip_equal)
-            elif fields is not None and connection.vendor == "postgresql":
-                ids, stale, equal, high, rows = _plan_rows_read(job, c.cursor, max_n, current, fields)
-            else:
-                ids, stale, equal, high = _plan_rows(job, c.cursor, max_n, current)
-            skipped_equal += equal
-            if ids:
-                c.pending_token = secrets.token_hex(12)
-                c.pending_ids, c.pending_cursor = pack_ids(ids), high
-                c.save(update_fields={"pending_token", "pending_ids", "pending_cursor", "updated_at", *acked})
-            elif passed := high > c.cursor:  # only left-out (or failed) rows were read: pass them for good
-                c.cursor = high
-                c.save(update_fields={"cursor", "updated_at", *acked})
-            elif acked:
-                c.save(update_fields=acked)
-        if stale:
-            skipped_stale += settle_stale(job, stale)
-        if acked or (not ids and passed):  # room in an open-ended job's buffer, perhaps
-            from . import services
-
-            services.after_stream_ack(job)
-        if ids:
-            return {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
-                    "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current,
-                    "rows": rows}
-        if passed or stale:
-            continue  # read further at once
-        if time.monotonic() >= deadline:
-            return {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [], "skipped_stale": skipped_stale,
-                    "skipped_equal": skipped_equal, "current_version": current, "rows": []}
-        time.sleep(POLL_S)
-
-
-def take_streamed(job, name: str, *, max_n: int = 100, wait_s: float = 0.0, fields=None,
-                  ack_token: str | None = None) -> Iterator[tuple[str, object]]:
-    """take() for rows (not groups) on PostgreSQL, as it reads: yields ("current", the current version) at each
-    look (its first, once the consumer is locked and `ack_token` applied: a StreamConflict comes before it), then
-    ("rows", [row tuples as rows_json gives them]) page by page (STREAM_PAGE rows) while the batch is planned, so a reader decodes a page while the
-    database writes the next, then ("end", take()'s dict less "rows"), sent once the batch is committed as the
-    consumer's pending one: a reader that has the end line holds a token it can acknowledge. A reader that
-    hangs up before it leaves the transaction rolled back (nothing handed out, nothing acknowledged: the same
-    rows come again)."""
-    from . import services
-
-    max_n = max(1, min(int(max_n), MAX_BATCH))
-    deadline = time.monotonic() + max(0.0, min(float(wait_s), MAX_WAIT_S))
-    skipped_stale = 0
-    looked = False
-    while True:
-        passed, redelivered = False, None
-        with transaction.atomic():
-            c = _locked_consumer(job, name, groups=False, skip_equal=False)
-            acked = []
-            if ack_token:
-                acked = _ack_in(c, ack_token)
-                ack_token = None
-            current = current_version(job.endpoint_id)
             yield "current", current  # before any row: the rows' lag is worked out against it
-            if c.pending_token:
-                if acked:
-                    c.save(update_fields=acked)
+            if c.pending_token:  # (an acknowledgement just applied leaves none pending)
                 ids = unpack_ids(c.pending_ids)
-                for k in range(0, len(ids), STREAM_PAGE):
-                    yield "rows", rows_json(ids[k:k + STREAM_PAGE], fields)
+                if stream:
+                    for k in range(0, len(ids), STREAM_PAGE):
+                        yield "rows", rows_json(ids[k:k + STREAM_PAGE], fields)
                 redelivered = {"token": c.pending_token, "cursor": c.pending_cursor, "redelivered": True, "ids": ids,
                                "skipped_stale": 0, "skipped_equal": 0, "current_version": current}
             else:
-                if looked:
+                if looked:  # `job` was read by the caller just before (its request); a long poll's later looks re-read it
                     job.refresh_from_db(fields=["max_version_lag", "stale_policy", "num_repeats", "verify_mode"])
                 looked = True
-                plan: dict = {}
-                for page in _plan_rows_pages(job, c.cursor, max_n, current, fields, STREAM_PAGE, plan):
-                    if page:
-                        yield "rows", page
-                ids, stale, high = plan["ids"], plan["stale"], plan["high"]
+                equal = 0
+                if groups:
+                    ids, stale, equal, high = _plan_groups(job, c.cursor, max_n, current, skip_equal)
+                elif stream:
+                    plan: dict = {}
+                    for page in _plan_rows_pages(job, c.cursor, max_n, current, fields, STREAM_PAGE, plan):
+                        if page:
+                            yield "rows", page
+                    ids, stale, high = plan["ids"], plan["stale"], plan["high"]
+                elif fields is not None and connection.vendor == "postgresql":
+                    ids, stale, equal, high, rows = _plan_rows_read(job, c.cursor, max_n, current, fields)
+                else:
+                    ids, stale, equal, high = _plan_rows(job, c.cursor, max_n, current)
+                skipped_equal += equal
                 if ids:
                     c.pending_token = secrets.token_hex(12)
                     c.pending_ids, c.pending_cursor = pack_ids(ids), high
                     c.save(update_fields={"pending_token", "pending_ids", "pending_cursor", "updated_at", *acked})
-                elif passed := high > c.cursor:
+                elif passed := high > c.cursor:  # only left-out (or failed) rows were read: pass them for good
                     c.cursor = high
                     c.save(update_fields={"cursor", "updated_at", *acked})
                 elif acked:
                     c.save(update_fields=acked)
-        if redelivered is None and stale:
-            skipped_stale += settle_stale(job, stale)
-        if acked or (redelivered is None and not ids and passed):
-            services.after_stream_ack(job)
         if redelivered is not None:
+            if not stream:
+                redelivered["rows"] = None
             yield "end", redelivered
             return
+        if stale:
+            skipped_stale += settle_stale(job, stale)
+        if acked or (not ids and passed):  # room in an open-ended job's buffer, perhaps
+            services.after_stream_ack(job)
         if ids:
-            yield "end", {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
-                          "skipped_stale": skipped_stale, "skipped_equal": 0, "current_version": current}
+            end = {"token": c.pending_token, "cursor": high, "redelivered": False, "ids": ids,
+                   "skipped_stale": skipped_stale, "skipped_equal": skipped_equal, "current_version": current}
+            if not stream:
+                end["rows"] = rows
+            yield "end", end
             return
         if passed or stale:
-            continue
+            continue  # read further at once
         if time.monotonic() >= deadline:
-            yield "end", {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [],
-                          "skipped_stale": skipped_stale, "skipped_equal": 0, "current_version": current}
+            end = {"token": "", "cursor": c.cursor, "redelivered": False, "ids": [], "skipped_stale": skipped_stale,
+                   "skipped_equal": skipped_equal, "current_version": current}
+            if not stream:
+                end["rows"] = []
+            yield "end", end
             return
         time.sleep(POLL_S)
 
