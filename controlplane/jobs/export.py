@@ -136,28 +136,43 @@ def _iter_ok_lines_pg(job, chunk_size: int, filters: dict | None = None) -> Iter
             yield _dumps(row)
 
 
-def aiter_sync(iterator: Iterator) -> AsyncIterator:
+class _SyncBody:
     """An async iterator over a sync one, each step run by sync_to_async on the one thread that serves
-    this request's synchronous code (the server-side cursor lives on that thread's connection).
+    this request's synchronous code (the server-side cursor, a streamed take's transaction, live on that thread's
+    connection).
 
     Under ASGI, Django serves a *sync* StreamingHttpResponse iterator by listing it whole first; this
-    one is consumed chunk by chunk as the client reads."""
-    step = sync_to_async(next, thread_sensitive=True)
-    done = object()
+    one is consumed chunk by chunk as the client reads. `close` closes the sync iterator: Django calls it with the
+    response's close, on the request's thread and before the request's connection goes back to the pool (a client
+    gone mid-body: its transaction is rolled back there). Closing only from the async iterator's own `finally`
+    left that to whenever the event loop finalized it, in another context, when Django's wrapping iterator was
+    closed without it: a take's transaction then outlived its request on a connection already returned."""
 
-    async def gen():
-        it = iter(iterator)
+    def __init__(self, iterator: Iterator):
+        self._it = iter(iterator)
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._chunks()
+
+    async def _chunks(self):
+        step = sync_to_async(next, thread_sensitive=True)
+        done = object()
         try:
             while True:
-                chunk = await step(it, done)
+                chunk = await step(self._it, done)
                 if chunk is done:
                     return
                 yield chunk
-        finally:  # a client that hangs up: close the generator (and its cursor) on its own thread
-            if hasattr(it, "close"):
-                await sync_to_async(it.close, thread_sensitive=True)()
+        finally:  # not closed by the response yet (a closed generator's close does nothing)
+            await sync_to_async(self.close, thread_sensitive=True)()
 
-    return gen()
+    def close(self) -> None:
+        if hasattr(self._it, "close"):
+            self._it.close()
+
+
+def aiter_sync(iterator: Iterator) -> _SyncBody:
+    return _SyncBody(iterator)
 
 
 def streamed_for(request, iterator: Iterator):
