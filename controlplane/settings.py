@@ -61,6 +61,9 @@ if os.environ.get("CONTROLPLANE_LEAN_CLI") == "1":
     INSTALLED_APPS.remove("daphne")
 
 MIDDLEWARE = [
+    # first, so it sees the response that goes out: a request's place among its user's open ones
+    # (controlplane.inflight) is freed when that response is closed
+    "controlplane.inflight.ReleaseOnCloseMiddleware",
     # X-Forwarded-* only from WEB_TRUSTED_PROXY_ADDRS, before anything reads the client's address
     "controlplane.forwarded.TrustedProxyMiddleware",
     # /healthz and /metrics for probes and Prometheus, before host checks and the HTTPS redirect
@@ -406,7 +409,9 @@ REST_FRAMEWORK = {
                                "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     # Per token/user (anonymous: per IP); the token route has its own anonymous rate.
-    "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.UserRateThrottle"],
+    # InFlightThrottle: at most API_USER_MAX_IN_FLIGHT of a user's requests open at once per web process.
+    "DEFAULT_THROTTLE_CLASSES": ["controlplane.api.throttling.InFlightThrottle",
+                                 "controlplane.api.throttling.UserRateThrottle"],
     # Throttles key anonymous requests on the real client address: X-Forwarded-For only as far as the
     # trusted proxies go (DRF's default, None, would take the client-supplied header as is).
     "NUM_PROXIES": WEB_TRUSTED_PROXIES,
@@ -415,6 +420,9 @@ REST_FRAMEWORK = {
         "anon": env("API_THROTTLE_ANON_RATE", default="60/min"),
     },
 }
+# A user's share of a web process's pooled database connections (DB_POOL_MAX_SIZE): requests open at once,
+# each counted until its answer is sent (controlplane.inflight). 0: no cap.
+API_USER_MAX_IN_FLIGHT = env.int("API_USER_MAX_IN_FLIGHT", default=10)
 # API tokens (django-rest-knox): hashed in the database, valid for API_TOKEN_TTL_DAYS from login, revocable
 # (DELETE /api/auth/token/, or the admin). Sent as `Authorization: Token <token>` as before.
 REST_KNOX = {

@@ -45,6 +45,7 @@ def quota(settings):
     if connection.vendor != "postgresql":
         pytest.skip("the race needs concurrent writers: PostgreSQL (SQLite serializes writes anyway)")
     settings.JOBS_MAX_ACTIVE_PER_USER = QUOTA
+    settings.API_USER_MAX_IN_FLIGHT = CONCURRENT  # every POST reaches the quota's lock (the race under test)
     settings.CELERY_TASK_ALWAYS_EAGER = False
 
 
