@@ -382,6 +382,7 @@ class DbSink:
                 lock_job_for_insert(self.job_id)
                 inserted = insert_rollouts(rows)
                 ok, failed = self._bump(inserted, now)
+        self.versions.written(batch)
         if self.on_stored is not None and inserted:
             new = {(t, k) for _, _, t, k in inserted}
             try:

@@ -165,7 +165,8 @@ def after_update(endpoint_id, since_id: int) -> int:
 
 class VersionTagger:
     """For the job sink: `stamp(result)` when a rollout arrives (cheap, in the event loop), `tag(batch)`
-    on the DB thread before the batch is written (reads the endpoint's update history)."""
+    on the DB thread before the batch is written (reads the endpoint's update history), `written(batch)`
+    once it committed. `tag` may run again for the same batch (a write retried after a deadlock)."""
 
     def __init__(self, endpoint_id, job_id=None):
         self.endpoint_id = endpoint_id
@@ -179,17 +180,12 @@ class VersionTagger:
     def tag(self, batch) -> None:
         """Each rollout's version at dispatch (for servers that report none) and at completion (its arrival):
         a rollout that ran across an update gets two different versions (Rollout.spans_update)."""
-        arrived = [(r, self._arrived.pop(id(r), None)) for r in batch]
-        todo = [(r, t) for r, t in arrived if t is not None]
-        if not todo and not self._stored_untagged:
+        todo = [(r, t) for r in batch if (t := self._arrived.get(id(r))) is not None]
+        if not todo:
             return
         history = _history(self.endpoint_id)
         if not history:
-            self._stored_untagged = self._stored_untagged or any(not r.weight_version for r, _ in todo)
             return
-        if self._stored_untagged and self.job_id is not None:  # the first update landed since: fix those rows
-            tag_stored(Rollout.objects.filter(job_id=self.job_id), history)
-            self._stored_untagged = False
         starts = [h[0].timestamp() for h in history]
 
         def at(ts):
@@ -200,6 +196,21 @@ class VersionTagger:
             if not r.weight_version:
                 r.weight_version = at(t - (r.wall_ms or 0.0) / 1000.0)
             r.completed_version = at(t)
+
+    def written(self, batch) -> None:
+        """After the batch committed. Rows stored without a version (no history when they were tagged) are
+        fixed once the endpoint's first update is recorded. The history is read again after the commit: an
+        update recorded between `tag` and the commit ran its backfill before these rows were visible to it,
+        and one recorded after this read will see them."""
+        self._stored_untagged = self._stored_untagged or any(
+            not r.weight_version for r in batch if id(r) in self._arrived)
+        if self._stored_untagged and self.job_id is not None:
+            history = _history(self.endpoint_id)
+            if history:
+                tag_stored(Rollout.objects.filter(job_id=self.job_id), history)
+                self._stored_untagged = False
+        for r in batch:
+            self._arrived.pop(id(r), None)
 
 
 def panel_context(request, job) -> dict:

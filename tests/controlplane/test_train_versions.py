@@ -94,3 +94,50 @@ def test_backfill_sets_both_ends(user, sim_endpoint, math_dataset):
     got = {t: (v, c, s) for t, v, c, s in Rollout.objects.filter(job=job).values_list(
         "task_index", "weight_version", "completed_version", "spans_update")}
     assert got == {0: ("0", "0", False), 1: ("0", "1", True), 2: ("1", "1", False)}
+
+
+def _first_update(ep):
+    now = timezone.now()
+    WeightVersion.objects.create(endpoint=ep, version="1", trace_id="t1", started_at=now - timedelta(seconds=30),
+                                 applied_at=now - timedelta(seconds=29))
+    backfill(ep.pk)  # what recording the endpoint's first update runs on commit
+
+
+def _vllm_batch(tagger, n):
+    batch = [RolloutResult(task_index=i, rollout_index=0, ok=True, output_row={}, wall_ms=1000) for i in range(n)]
+    for r in batch:
+        tagger.stamp(r)
+    return batch
+
+
+def test_a_batch_written_again_after_the_first_update_landed_is_tagged(user, sim_endpoint, math_dataset):
+    """The sink tags a batch, its write fails (a deadlock with the first update's backfill) and is retried
+    once the update is recorded: the retry tags the batch, not only the rows stored before it."""
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    tagger = VersionTagger(ep.pk, job.pk)
+    batch = _vllm_batch(tagger, 3)
+    tagger.tag(batch)  # no history yet: no version
+    assert {r.weight_version for r in batch} == {""}
+    _first_update(ep)
+    tagger.tag(batch)  # the retried write
+    assert {r.weight_version for r in batch} == {"1"}
+    insert_rollouts([_rollout_values(job.pk, "w", r, timezone.now()) for r in batch])
+    tagger.written(batch)
+    assert set(Rollout.objects.filter(job=job).values_list("weight_version", flat=True)) == {"1"}
+
+
+def test_a_batch_committed_after_the_first_updates_backfill_is_tagged(user, sim_endpoint, math_dataset):
+    """The first update is recorded (and its backfill runs) between the sink's tagging of a batch and the
+    batch's commit: the backfill cannot see those rows, so the sink fixes them once they are stored."""
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    tagger = VersionTagger(ep.pk, job.pk)
+    batch = _vllm_batch(tagger, 3)
+    tagger.tag(batch)
+    _first_update(ep)
+    insert_rollouts([_rollout_values(job.pk, "w", r, timezone.now()) for r in batch])
+    assert set(Rollout.objects.filter(job=job).values_list("weight_version", flat=True)) == {""}
+    tagger.written(batch)
+    assert set(Rollout.objects.filter(job=job).values_list("weight_version", flat=True)) == {"1"}
+    assert not tagger._arrived
