@@ -30,7 +30,7 @@ from .events import LiveFigures, ProgressMessage, job_group, live_figures, proce
 from .openended import pass_rows
 from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobMetricSample, JobState, Rollout
 from .versions import VersionTagger
-from .stream import lock_job_for_insert
+from .stream import lock_job_for_insert, stamp_rows
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +372,7 @@ class DbSink:
         try:
             with transaction.atomic():
                 lock_job_for_insert(self.job_id)  # the job's ids in commit order, for the rollout stream's cursor
+                now = stamp_rows(rows)
                 inserted = insert_rollouts(rows)
                 ok, failed = self._bump(inserted, now)
         except DataError:
@@ -380,6 +381,7 @@ class DbSink:
                 row["data"], row["error"] = _strip_nul(row["data"]), _strip_nul(row["error"])
             with transaction.atomic():
                 lock_job_for_insert(self.job_id)
+                now = stamp_rows(rows)
                 inserted = insert_rollouts(rows)
                 ok, failed = self._bump(inserted, now)
         self.versions.written(batch)

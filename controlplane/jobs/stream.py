@@ -26,6 +26,7 @@ import time
 from typing import Iterator
 
 from django.db import connection, transaction
+from django.utils import timezone
 
 from controlplane.limits import STREAM_MAX_BATCH as MAX_BATCH
 from controlplane.limits import STREAM_MAX_BATCH_BYTES as MAX_BATCH_BYTES
@@ -55,6 +56,17 @@ def lock_job_for_insert(job_id) -> None:
     """In the sink's write transaction, before the insert: one writer of the job's rows at a time, so that
     their ids are allocated in commit order (the stream's cursor skips nothing)."""
     list(CollectionJob.objects.select_for_update().filter(pk=job_id).values_list("pk", flat=True))
+
+
+def stamp_rows(rows: list[dict]):
+    """Once lock_job_for_insert returned: the rows' store time (created_at), now. The lock can wait behind the
+    job's other writers (every chunk's sink); a row stamped before that wait would count, by its store time, in a
+    rate read before it was committed (the live rate would miss it). Stamped here, store times follow commit
+    order, as the ids do."""
+    now = timezone.now()
+    for row in rows:
+        row["created_at"] = now
+    return now
 
 
 # --- staleness ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 leases, the watchdog, and exactly-once batch writes."""
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -213,3 +214,42 @@ def test_batch_write_counts_only_inserted_rows(user, math_dataset, endpoint):
     JobChunk.objects.filter(pk=chunk.pk).update(lease_owner="other#2")
     _, _, _, lease_ok = sink._write_batch([_result(3, 0)])
     assert lease_ok is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_are_stamped_stored_once_the_jobs_insert_lock_is_held(user, math_dataset, endpoint):
+    """Another chunk's sink holds the job's insert lock: this batch waits, and its store time is when it got the
+    lock, not when it started to wait (a rate read during the wait would count rows not yet visible)."""
+    import threading
+
+    from django.db import connections, transaction
+
+    from controlplane.jobs.sink import DbSink
+    from controlplane.jobs.stream import lock_job_for_insert
+
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks: PostgreSQL")
+    job = make_job(user, math_dataset(10), endpoint)
+    chunk = job.chunks.get()
+    assert runtime.acquire_lease(chunk.pk, "w#1")
+    held, released = threading.Event(), []
+
+    def other_writer():
+        try:
+            with transaction.atomic():
+                lock_job_for_insert(job.pk)
+                held.set()
+                time.sleep(0.8)
+                released.append(timezone.now())
+        finally:
+            connections.close_all()
+
+    t = threading.Thread(target=other_writer)
+    t.start()
+    assert held.wait(10)
+    asked = timezone.now()
+    sink = DbSink(job=job, chunk=chunk, lease_owner="w#1", worker_name="w", db=None, channel_layer=False)
+    sink._write_batch([_result(0, 0), _result(1, 0)])
+    t.join(10)
+    stored = set(Rollout.objects.filter(job=job).values_list("created_at", flat=True))
+    assert len(stored) == 1 and stored.pop() >= released[0] > asked
