@@ -9,6 +9,7 @@ and size the median seconds, rows/s and the ratio of seconds to the smallest siz
 
     .venv/bin/python -m bench.bench_ingest                       # 1k, 10k, 100k rows on both
     .venv/bin/python -m bench.bench_ingest --sizes 1000,4000,16000 --db sqlite
+    .venv/bin/python -m bench.bench_ingest --db sqlite,sqlite-orm     # SQLite's row writer against bulk_create
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 django.setup()
 from django.core.management import call_command
 call_command("migrate", verbosity=0, interactive=False)
+from controlplane.datasets import services
 from controlplane.datasets.services import ingest_jsonl
+services._RowWriter.SQLITE_TEXT = os.environ.get("BENCH_INGEST_WRITER") != "orm"
 from controlplane.datasets.models import DatasetRow
 out = []
 for path in sys.argv[1:]:
@@ -55,8 +58,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(db_url: str, files: list[Path]) -> list[dict]:
-    env = {**os.environ, "DATABASE_URL": db_url}
+def run_child(db_url: str, files: list[Path], writer: str = "") -> list[dict]:
+    env = {**os.environ, "DATABASE_URL": db_url, "BENCH_INGEST_WRITER": writer}
     p = subprocess.run([sys.executable, "-c", CHILD, *map(str, files)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=3600)
     for line in p.stdout.splitlines():
@@ -79,7 +82,9 @@ def load() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000,100000")
-    ap.add_argument("--db", default="sqlite,postgres", help="sqlite, postgres or both")
+    ap.add_argument("--db", default="sqlite,postgres",
+                    help="comma-separated: sqlite, postgres, sqlite-orm (SQLite with the rows written by bulk_create, "
+                         "as before the line texts went in with one executemany)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--explicit", type=int, default=0, help="every K-th row carries its own _ng_task_index")
     ap.add_argument("--pg", default=os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/controlplane"))
@@ -98,29 +103,29 @@ def main(argv=None) -> int:
         pg_url = args.pg.rsplit("/", 1)[0] + "/" + args.pg.rsplit("/", 1)[1].split("?")[0] + "_bench_ingest"
         for r in range(args.rounds):
             for db in (dbs if r % 2 == 0 else dbs[::-1]):
-                if db == "sqlite":
-                    url = f"sqlite:///{tmp}/r{r}.sqlite3"
+                if db.startswith("sqlite"):
+                    url = f"sqlite:///{tmp}/r{r}-{db}.sqlite3"
                 else:
                     pg_admin(args.pg, f'DROP DATABASE IF EXISTS "{pg_url.rsplit("/", 1)[1]}"')
                     pg_admin(args.pg, f'CREATE DATABASE "{pg_url.rsplit("/", 1)[1]}"')
                     url = pg_url
                 before = load()
                 try:
-                    out = run_child(url, files)
+                    out = run_child(url, files, "orm" if db == "sqlite-orm" else "")
                 finally:
-                    if db != "sqlite":
+                    if not db.startswith("sqlite"):
                         pg_admin(args.pg, f'DROP DATABASE IF EXISTS "{pg_url.rsplit("/", 1)[1]}"')
                 for n, o in zip(sizes, out):
                     results.setdefault((db, n), []).append(o["secs"])
-                    print(f"round {r} {db:8s} {n:>8d} rows {o['secs']:8.2f} s  rows sharing a task index: "
+                    print(f"round {r} {db:10s} {n:>8d} rows {o['secs']:8.2f} s  rows sharing a task index: "
                           f"{o['repeats']}  load before {before}", flush=True)
     print()
-    print(f"{'database':9s} {'rows':>8s} {'median s':>9s} {'rows/s':>9s} {'x time':>7s} {'x rows':>7s}")
+    print(f"{'database':10s} {'rows':>8s} {'median s':>9s} {'rows/s':>9s} {'x time':>7s} {'x rows':>7s}")
     for db in dbs:
         base = statistics.median(results[(db, sizes[0])])
         for n in sizes:
             m = statistics.median(results[(db, n)])
-            print(f"{db:9s} {n:>8d} {m:9.2f} {n / m:9.0f} {m / base:7.1f} {n / sizes[0]:7.1f}")
+            print(f"{db:10s} {n:>8d} {m:9.2f} {n / m:9.0f} {m / base:7.1f} {n / sizes[0]:7.1f}")
     print(f"load at end: {load()} (2 cores, shared)")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{d}:{n}": v for (d, n), v in results.items()}))
