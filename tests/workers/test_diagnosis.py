@@ -197,3 +197,16 @@ def test_sequential_series_do_not_add_up():
     ev = build_evidence(ticks, config={"parallelism": 12})
     assert ev.parallelism == pytest.approx(12)
     assert ev.in_flight_mean == pytest.approx(12)
+
+
+def test_slots_left_empty_while_rollouts_wait_on_the_verifier_count_for_verification():
+    """A rollout being verified holds no request slot, so a verifier that cannot keep up leaves slots empty: that
+    is verification's evidence, not the control plane's. Without a verification share it stays the control
+    plane's (the engine did not keep its slots full)."""
+    ev = shares(base(slot_utilization=0.45, in_flight_mean=14.4), 100, 200, 90, 400)  # verify_share 0.225
+    d = diagnose(ev)
+    item = next(i for i in d.evidence_items if i.name == "slot_utilization_low")
+    assert item.holds and item.supports == VERIFICATION and "wait on the verifier" in item.meaning
+    ev = shares(base(slot_utilization=0.45, in_flight_mean=14.4), 100, 200, 2, 400)
+    item = next(i for i in diagnose(ev).evidence_items if i.name == "slot_utilization_low")
+    assert item.holds and item.supports == CONTROL_PLANE
