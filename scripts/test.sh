@@ -30,4 +30,7 @@ rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 if [ ${#QUICK[@]} = 0 ]; then WORKERS="${TEST_WORKERS:-3}"; else WORKERS="${TEST_WORKERS:-0}"; fi
 XDIST=()
 if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder --tb=native); fi
-exec "$PY" -m pytest "${XDIST[@]}" "${QUICK[@]}" "$@"
+# The whole suite ends with its 25 slowest tests (what to look at when it nears its 20-minute budget).
+DURATIONS=()
+if [ ${#QUICK[@]} = 0 ]; then DURATIONS=(--durations=25); fi
+exec "$PY" -m pytest "${XDIST[@]}" "${QUICK[@]}" "${DURATIONS[@]}" "$@"
