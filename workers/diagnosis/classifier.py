@@ -279,13 +279,9 @@ def diagnose(ev: Evidence) -> Diagnosis:
                 + (" (retries and backoff after failed requests)" if retrying else " (our own overhead)"),
                 NETWORK if retrying else CONTROL_PLANE, 1.5)
     if not (ev.rate_429 or 0) >= RATE_429:
-        # A rollout being verified holds no request slot (the engine runs twice the parallelism in workers): where
-        # verification takes a real share of each rollout, empty slots are rollouts waiting on the verifier.
-        waits_on_verifier = (ev.verify_share or 0) >= VERIFY_SHARE_SUPPORT
-        r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW,
-                "in-flight requests / parallelism: slots not kept full"
-                + (" (rollouts wait on the verifier)" if waits_on_verifier else ""),
-                VERIFICATION if waits_on_verifier else CONTROL_PLANE, 1.0, op="<")
+        # a rollout being verified holds no request slot: with a real verify share, empty slots wait on the verifier
+        on_verifier = (ev.verify_share or 0) >= VERIFY_SHARE_SUPPORT
+        r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW, "in-flight requests / parallelism: slots not kept full" + (" (rollouts wait on the verifier)" if on_verifier else ""), VERIFICATION if on_verifier else CONTROL_PLANE, 1.0, op="<")
 
     # ---- extra context (not scored)
     r.note("queue_ms_mean", ev.queue_ms, "mean wait for a parallelism slot (ms)")
