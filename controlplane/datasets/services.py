@@ -121,25 +121,21 @@ class _RowWriter:
     def flush(self):
         if not self.buf:
             return
-        if self.use_copy:
-            table = DatasetRow._meta.db_table
+        if self.use_copy or self.use_text:
+            # the validated line's text as the JSON column's text: no model instance per row and no second
+            # json.dumps (bulk_create's per-field preparation was half of a 30k-row SQLite ingest)
+            columns = '(dataset_id, "index", line_number, data, task_index, occurrence, line_digest)'
             ds_id = self.dataset.pk
+            rows = [(ds_id, index, line_number, text, task_index, 0, digest)
+                    for index, line_number, _row, text, task_index, digest in self.buf]
             with transaction.atomic(), connection.cursor() as cur:
-                with cur.cursor.copy(f'COPY "{table}" (dataset_id, "index", line_number, data, task_index, '
-                                     f'occurrence, line_digest) FROM STDIN') as cp:
-                    for index, line_number, _row, text, task_index, digest in self.buf:
-                        cp.write_row((ds_id, index, line_number, text, task_index, 0, digest))
-        elif self.use_text:
-            # the validated line's text as the JSON column's text, as COPY does: no model instance per row and no
-            # second json.dumps (bulk_create's per-field preparation was half of a 30k-row SQLite ingest)
-            table = DatasetRow._meta.db_table
-            ds_id = self.dataset.pk
-            with transaction.atomic(), connection.cursor() as cur:
-                cur.executemany(
-                    f'INSERT INTO "{table}" (dataset_id, "index", line_number, data, task_index, occurrence, '
-                    f'line_digest) VALUES (%s, %s, %s, %s, %s, 0, %s)',
-                    [(ds_id, index, line_number, text, task_index, digest)
-                     for index, line_number, _row, text, task_index, digest in self.buf])
+                if self.use_copy:
+                    with cur.cursor.copy(f'COPY "{DatasetRow._meta.db_table}" {columns} FROM STDIN') as cp:
+                        for row in rows:
+                            cp.write_row(row)
+                else:
+                    cur.executemany(f'INSERT INTO "{DatasetRow._meta.db_table}" {columns} VALUES '
+                                    f'(%s, %s, %s, %s, %s, %s, %s)', rows)
         else:
             DatasetRow.objects.bulk_create(
                 [DatasetRow(dataset=self.dataset, index=i, line_number=n, data=row, task_index=t, line_digest=d)
