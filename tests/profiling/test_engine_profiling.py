@@ -144,10 +144,15 @@ def test_sample_does_not_favour_the_first_item_of_a_batch():
     total = 10 * rounds + 1
     assert st.n_prof_all >= 40, st.n_prof_all  # enough samples for the estimate below
     assert st.n_prof_all < total / 4  # and sampled, not every verification
+    # the samples' calls scaled by one factor for the session (all verifications / profiled ones): what the
+    # sample says of the mix. Scaled window by window instead, a loaded machine's window of one sample among
+    # thousands of verifications decides its window alone (1.2-1.5x the truth in 3 of 15 runs beside busy loops)
     rows: dict = {}
-    for p in (p for p in payloads if p):
-        core.payload_rows(p, p["items"] / p["profiled"] if p["profiled"] else 1.0, into=rows)
-    calls = sum(r.ncall for r in rows.values() if r.name == "_inner_normalize")
+    shown = [p for p in payloads if p]
+    for p in shown:
+        core.payload_rows(p, into=rows)
+    scale = sum(p["items"] for p in shown) / sum(p["profiled"] for p in shown)
+    calls = scale * sum(r.ncall for r in rows.values() if r.name == "_inner_normalize")
     true_calls = 11 * rounds + 1  # 2 per cold item, 1 per warm one
     assert calls == pytest.approx(true_calls, rel=0.2), (calls, true_calls, st.n_prof_all)
 
