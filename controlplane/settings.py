@@ -156,6 +156,11 @@ elif env.bool("DB_POOL", default=True):
     })
 else:
     DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=0))
+if DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
+    # libpq waits for a connect as long as TCP does (minutes to an address that drops packets); the pool's
+    # connects too. /healthz and /metrics bound their own look (controlplane/monitoring/database.py)
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout",
+                                                              env.int("DB_CONNECT_TIMEOUT_S", default=10))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

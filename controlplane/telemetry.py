@@ -104,7 +104,7 @@ def record_chunk_run(outcome: str) -> None:
 
 
 # Collectors other apps add from their ready() (the dashboard: live workers from its heartbeats); a scrape
-# registers each beside the database gauges.
+# registers each beside the database gauges, when its look at the database found it answering (they read it).
 SCRAPE_COLLECTORS: list = []
 
 

@@ -7,11 +7,14 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.utils import OperationalError
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from controlplane import telemetry
+
+from .database import PROBE_TIMEOUT_S, database_answers
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +22,12 @@ logger = logging.getLogger(__name__)
 # --- state read from the database when scraped ---------------------------------------------------------
 class DatabaseCollector:
     """Gauges computed per scrape from a few aggregate queries on small tables (jobs, chunks, heartbeats;
-    never a count over the rollouts table). A database error gives controlplane_database_up 0, not a 500."""
+    never a count over the rollouts table). A database error gives controlplane_database_up 0, not a 500;
+    `reachable` False (the scrape's bounded probe found no database): 0 at once, without a query that would wait
+    for the pool's timeout."""
+
+    def __init__(self, reachable: bool = True):
+        self.reachable = reachable
 
     def collect(self):
         from django.db.models import Count, Min, Q, Sum
@@ -29,6 +37,8 @@ class DatabaseCollector:
 
         up = GaugeMetricFamily("controlplane_database_up", "1 when the database answered this scrape's queries")
         try:
+            if not self.reachable:
+                raise OperationalError(f"no answer within {PROBE_TIMEOUT_S:g} s")
             now = timezone.now()
             jobs = dict(CollectionJob.objects.values_list("state").annotate(n=Count("id")).order_by())
             stalled = CollectionJob.objects.filter(state=JobState.RUNNING, stalled=True).count()
@@ -81,7 +91,11 @@ class DatabaseCollector:
 def registry_for_scrape(path: str | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=path or str(settings.PROMETHEUS_MULTIPROC_DIR))
-    registry.register(DatabaseCollector())
-    for collector in telemetry.SCRAPE_COLLECTORS:
-        registry.register(collector)
+    # one bounded look first: with the database down a scrape answers in seconds (database_up 0), not after
+    # each collector's query has waited out the connection pool's timeout
+    reachable = database_answers()
+    registry.register(DatabaseCollector(reachable))
+    if reachable:  # the other apps' collectors read the database too
+        for collector in telemetry.SCRAPE_COLLECTORS:
+            registry.register(collector)
     return registry

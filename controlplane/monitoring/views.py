@@ -45,14 +45,6 @@ def metrics(request):
     return HttpResponse(generate_latest(registry_for_scrape()), content_type=CONTENT_TYPE_LATEST)
 
 
-def _check_database() -> None:
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT 1")
-        cursor.fetchone()
-
-
 def _check_redis() -> None:
     import redis
 
@@ -68,7 +60,9 @@ def healthz(request):
     """200 when the database and Redis (broker, channel layer, cache) answer, else 503 naming what failed.
     Open to anyone: it says ok or the failing part's error class, nothing more."""
     checks, healthy = {}, True
-    for name, check in (("database", _check_database), ("redis", _check_redis)):
+    from .database import check_database
+
+    for name, check in (("database", lambda: check_database(HEALTH_TIMEOUT_S)), ("redis", _check_redis)):
         t0 = time.perf_counter()
         try:
             check()

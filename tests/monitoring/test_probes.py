@@ -67,18 +67,36 @@ def test_healthz_reports_redis_down(settings):
     assert body["checks"]["database"]["ok"] is True
 
 
+@pytest.fixture
+def silent_database():
+    """An address that accepts TCP and never answers (a hung database host, or a proxy in front of a dead one):
+    the kernel completes the handshakes, nothing reads."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield s.getsockname()[1]
+    s.close()
+
+
 @pytest.mark.slow
-def test_database_down_reported_by_healthz_and_metrics(tmp_path):
-    """A process whose PostgreSQL does not answer (a closed port): /healthz 503 naming the database,
-    /metrics still answers with controlplane_database_up 0 (Prometheus sees the outage, not a failed scrape)."""
-    code = ("import json; from django.test import Client; c = Client(); h = c.get('/healthz'); m = c.get('/metrics'); "
-            "print(json.dumps([h.status_code, h.json(), m.status_code, m.content.decode()]))")
+@pytest.mark.parametrize("down", ["closed port", "silent listener"])
+def test_database_down_reported_by_healthz_and_metrics_within_seconds(tmp_path, down, silent_database):
+    """A process whose PostgreSQL does not answer: /healthz 503 naming the database, /metrics still answers with
+    controlplane_database_up 0 (Prometheus sees the outage, not a failed scrape), each within the probe's 2 s bound
+    plus the process's own time: not the connection pool's 30 s wait per query (30 s and 60 s before), past any
+    orchestrator's probe and Prometheus' scrape timeout."""
+    port = _closed_port() if down == "closed port" else silent_database
+    code = ("import json, time; from django.test import Client; c = Client(); t = time.monotonic(); "
+            "h = c.get('/healthz'); t_h = time.monotonic() - t; t = time.monotonic(); m = c.get('/metrics'); "
+            "t_m = time.monotonic() - t; "
+            "print(json.dumps([h.status_code, h.json(), m.status_code, m.content.decode(), t_h, t_m]))")
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-           "DATABASE_URL": f"postgres://postgres@127.0.0.1:{_closed_port()}/nothing"}
+           "DATABASE_URL": f"postgres://postgres@127.0.0.1:{port}/nothing"}
     r = subprocess.run([sys.executable, "-c", "import django; django.setup(); " + code], cwd=Path(__file__).parents[2],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    h_status, h_body, m_status, m_text = json.loads(r.stdout.strip().splitlines()[-1])
+    h_status, h_body, m_status, m_text, healthz_s, metrics_s = json.loads(r.stdout.strip().splitlines()[-1])
     assert h_status == 503 and h_body["checks"]["database"] == {"ok": False, "error": "OperationalError"}
     assert h_body["checks"]["redis"]["ok"] is True
     assert m_status == 200 and "controlplane_database_up 0.0" in m_text and "controlplane_jobs{" not in m_text
+    assert healthz_s < 6 and metrics_s < 6, (healthz_s, metrics_s)
