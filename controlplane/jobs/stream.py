@@ -206,9 +206,14 @@ def _plan_rows_read(job, cursor, max_n, current, fields):
     return plan["ids"], plan["stale"], 0, plan["high"], rows
 
 
-def _plan_rows_pages(job, cursor, max_n, current, fields, page_rows: int, plan: dict):
+def _plan_rows_pages(job, cursor, max_n, current, fields, page_rows: int, plan: dict, streamed: bool = False):
     """_plan_rows_read as it reads: yields each page's rows to hand out (a list, perhaps empty) as soon as the page
-    is read, and when done sets plan["ids"], plan["stale"], plan["high"] (see _plan_rows_read)."""
+    is read, and when done sets plan["ids"], plan["stale"], plan["high"] (see _plan_rows_read).
+
+    `streamed` (a batch sent as it is read): one query for the batch, its rows received in chunks of `page_rows` as
+    PostgreSQL sends them (libpq's chunked rows mode, psycopg's stream(size=...)), so the database goes on writing
+    the next rows while this process formats and sends a page; a query per page made the two wait on each other.
+    Else a query per page, each fetched whole (a batch answered as one document: nothing to overlap)."""
     inline = job.verify_mode == CollectionJob.VerifyMode.INLINE
     bound = job.max_version_lag
     # failed rows are read too (their JSON left out) and passed, never handed out: as _scan does
@@ -219,44 +224,63 @@ def _plan_rows_pages(job, cursor, max_n, current, fields, page_rows: int, plan: 
     plan.update(ids=out, stale=stale, high=cursor)
     high, size = cursor, 0
     with connection.cursor() as cur:
-        while len(out) + len(stale) < max_n:
-            page = min(page_rows, max_n - len(out) - len(stale))
-            cur.execute(sql, [job.pk, high, page])
-            got = cur.fetchall()
-            rows = []
-            for r in got:
+        while len(out) + len(stale) < max_n:  # failed rows take places in LIMIT, not in the batch: read on
+            want = max_n - len(out) - len(stale)
+            if streamed:
+                source = _streamed_rows(cur, sql, [job.pk, high, want], page_rows)
+            else:
+                want = min(want, page_rows)
+                cur.execute(sql, [job.pk, high, want])
+                source = cur.fetchall()
+            rows, read, ended = [], 0, False
+            # read to the end even once the batch is planned (`ended`): leaving psycopg's stream early cancels the
+            # query, which would abort the take's transaction; what is left is at most `want` rows
+            for r in source:
+                read += 1
+                if ended:
+                    continue
                 rid, _, _, wv, _, reward, is_stale, status, text = r
                 if status != ok:
                     high = rid
+                elif reward is None and not inline:  # deferred verification: not past an unverified row
+                    ended = True
                     continue
-                if reward is None and not inline:  # deferred verification: not past an unverified row
+                else:
+                    if is_stale:
+                        past = True
+                    elif bound is None:
+                        past = False
+                    else:
+                        past = lag_past.get(wv)
+                        if past is None:
+                            lag = lag_of(wv, current)
+                            past = lag_past[wv] = lag is not None and lag > bound
+                    if past:
+                        stale.append(rid)
+                    elif out and size + len(text) > MAX_BATCH_BYTES:
+                        ended = True
+                        continue
+                    else:
+                        size += len(text)
+                        out.append(rid)
+                        rows.append(r)
+                    high = rid
+                if streamed and read % page_rows == 0 and not ended:
                     plan["high"] = high
                     yield rows
-                    return
-                if is_stale:
-                    past = True
-                elif bound is None:
-                    past = False
-                else:
-                    past = lag_past.get(wv)
-                    if past is None:
-                        lag = lag_of(wv, current)
-                        past = lag_past[wv] = lag is not None and lag > bound
-                if past:
-                    stale.append(rid)
-                else:
-                    if out and size + len(text) > MAX_BATCH_BYTES:
-                        plan["high"] = high
-                        yield rows
-                        return
-                    size += len(text)
-                    out.append(rid)
-                    rows.append(r)
-                high = rid
+                    rows = []
             plan["high"] = high
-            yield rows
-            if len(got) < page:
-                break
+            if rows or not streamed:
+                yield rows
+            if ended or read < want:
+                return
+
+
+def _streamed_rows(cur, sql: str, params: list, chunk_rows: int):
+    """The rows of `sql` as PostgreSQL sends them, received `chunk_rows` at a time (libpq 17+; row by row before)."""
+    from psycopg import pq
+
+    return cur.cursor.stream(sql, params, size=chunk_rows if pq.version() >= 170000 else 1)
 
 
 def _plan_groups(job, cursor, max_n, current, skip_equal):
@@ -359,7 +383,8 @@ def _take_steps(job, name: str, *, max_n: int, wait_s: float, groups: bool, skip
                     ids, stale, equal, high = _plan_groups(job, c.cursor, max_n, current, skip_equal)
                 elif stream:
                     plan: dict = {}
-                    for page in _plan_rows_pages(job, c.cursor, max_n, current, fields, STREAM_PAGE, plan):
+                    for page in _plan_rows_pages(job, c.cursor, max_n, current, fields, STREAM_PAGE, plan,
+                                                 streamed=True):
                         if page:
                             yield "rows", page
                     ids, stale, high = plan["ids"], plan["stale"], plan["high"]

@@ -185,3 +185,34 @@ def test_lines_carry_what_the_json_body_carries(api, alice, dataset, endpoint):
     # groups mode answers its JSON body whatever is asked for
     r = api.get(f"/api/jobs/{job.pk}/stream/", {"consumer": "g", "groups": "true"}, HTTP_ACCEPT="application/x-ndjson")
     assert r.status_code == 200 and not r.streaming and r.json()["groups"] is not None
+
+
+def test_lines_stop_at_a_bound_mid_read_and_the_next_take_goes_on(api, alice, dataset, endpoint, monkeypatch):
+    """A batch sent as it is read (one query, its rows received page by page) can end before the rows the query
+    asked for: at the byte bound, or (deferred verification) at the first row without a reward. The take still
+    reads the query to its end (leaving it early would cancel the query and abort the take's transaction), hands
+    out exactly the rows before the stop, and the next take starts there."""
+    job = make_job(alice, dataset, endpoint, n_rollouts=0, state="running")
+    add_rollouts(job, 1800, failed_every=11)
+    ok = list(Rollout.objects.filter(job=job, status="ok").order_by("id").values_list("id", flat=True))
+    monkeypatch.setattr(stream, "MAX_BATCH_BYTES", 400_000)  # a few hundred rows of ~1 KB: ends mid-page
+    seen, token, sizes = [], None, []
+    while True:
+        lines, head = _take_lines(api, job, "bytes", max=1500, **({"ack": token} if token else {}))
+        if not head["count"]:
+            break
+        assert [r["id"] for r in lines] == ok[len(seen):len(seen) + head["count"]]
+        seen += [r["id"] for r in lines]
+        sizes.append(head["count"])
+        token = head["token"]
+    assert seen == ok and len(sizes) > 2 and max(sizes) < 1500, sizes
+    monkeypatch.undo()
+    job.verify_mode = "deferred"
+    job.save(update_fields=["verify_mode"])
+    unverified = ok[700]  # mid-page: the rows after it come once it has its reward
+    Rollout.objects.filter(pk=unverified).update(reward=None)
+    lines, head = _take_lines(api, job, "deferred", max=1500)
+    assert [r["id"] for r in lines] == ok[:700] and head["count"] == 700
+    Rollout.objects.filter(pk=unverified).update(reward=1.0)
+    lines, head = _take_lines(api, job, "deferred", max=1500, ack=head["token"])
+    assert [r["id"] for r in lines] == ok[700:700 + 1500]
