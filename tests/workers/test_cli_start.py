@@ -3,10 +3,12 @@ Django sets up, and that the pool it warms is the one the engine then uses witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import time
 import pytest
 
 from workers import cli_start
@@ -132,3 +134,35 @@ def test_a_quick_exit_leaves_no_semaphores_and_no_warning():
     assert "leaked semaphore" not in p.stderr
     left = [n for n in names if os.path.exists("/dev/shm/sem." + n.lstrip("/"))]
     assert not left
+
+
+QUICK_EXIT_WITH_FORK_SERVER = """
+import multiprocessing.forkserver, sys
+from workers.engine import forkserver
+forkserver.PRELOAD = [*forkserver.PRELOAD, "tests.workers.slow_teardown"]  # its teardown: 3 s, not 0.14-0.21
+from workers.engine.verify_pool import SHARED_VERIFY_POOL
+from workers.cli_start import quick_exit
+# a pool process forked by the fork server: its preload (math-verify, sympy) is done
+assert SHARED_VERIFY_POOL.executor(1).submit(int, "7").result(timeout=120) == 7
+print(multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+quick_exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_the_commands_output_ends_when_it_exits():
+    """Whoever reads the command's output (a pipe, $(...), subprocess.run) has its end when the command exits: the
+    verifier pool's fork server, which holds the same stdout, is stopped with the pool. Left to leave by itself it
+    went through an interpreter teardown of math-verify and sympy first: the output ended 0.14-0.21 s after the
+    command had exited (here made 3 s, so that the test does not hang on the machine's speed)."""
+    p = subprocess.Popen([sys.executable, "-c", QUICK_EXIT_WITH_FORK_SERVER], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    fork_server = int(p.stdout.readline())
+    assert p.wait(120) == 0
+    t0 = time.monotonic()
+    assert p.stdout.read() == b""  # returns at the output's end: when no process holds it any more
+    ended_s = time.monotonic() - t0
+    p.stdout.close()
+    assert ended_s < 1.5, ended_s
+    with contextlib.suppress(FileNotFoundError):  # gone, or a zombie waiting for its new parent to reap it
+        assert open(f"/proc/{fork_server}/stat").read().split(") ")[1][0] == "Z"
