@@ -5,10 +5,10 @@
     d.verdict, d.confidence, d.recommendations
 """
 from .classifier import (  # noqa: F401
-    AGENT, CONTROL_PLANE, INSUFFICIENT, MODEL, NETWORK, VERDICTS, VERIFICATION, Condition, Diagnosis, EvidenceItem,
-    Recommendation, diagnose, rate_limit_parallelism,
+    AGENT, CONTROL_PLANE, INSUFFICIENT, MODEL, NETWORK, VERDICTS, VERIFICATION, diagnose, rate_limit_parallelism,
 )
 from .evidence import Evidence, build_evidence  # noqa: F401
+from .report import Condition, Diagnosis, EvidenceItem, Recommendation  # noqa: F401
 
 
 def diagnose_ticks(ticks, config=None, rollout_stats=None, sweep=None) -> Diagnosis:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from .evidence import Evidence
+from .report import Condition, Diagnosis, EvidenceItem, Recommendation
 
 MODEL = "model_inference_bound"
 VERIFICATION = "verification_bound"
@@ -87,67 +86,6 @@ TRUNCATED_SHARE = 0.5  # share of outputs stopped by the token limit: a truncati
 UNREACHABLE_SHARE = 0.90  # connection errors + timeouts on this share of attempts, none succeeded: unreachable
 RATE_CONNECTION_HEAVY = 0.20  # connection errors / timeouts on this share of attempts: a replica is down or hung
 REPLICA_CONCENTRATED = 0.70  # share of those errors on one replica: name it
-
-
-@dataclass
-class EvidenceItem:
-    name: str
-    value: Any
-    threshold: Any
-    meaning: str
-    supports: str | None = None  # verdict it supports when it holds
-    holds: bool = False
-    weight: float = 0.0
-
-
-@dataclass
-class Recommendation:
-    action: str
-    why: str
-    setting: str | None = None  # e.g. "num_samples_in_parallel", "gpu_memory_utilization"
-    value: Any = None  # suggested value, when one can be computed
-
-
-@dataclass
-class Condition:
-    """One of the troubleshooting guide's cases, detected."""
-
-    name: str
-    title: str
-    evidence: str
-    fixes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Diagnosis:
-    verdict: str
-    confidence: float
-    summary: str
-    evidence_items: list[EvidenceItem] = field(default_factory=list)
-    recommendations: list[Recommendation] = field(default_factory=list)
-    conditions: list[Condition] = field(default_factory=list)
-    scores: dict[str, float] = field(default_factory=dict)
-    label: str = ""
-    subtype: str = ""  # e.g. "server_saturated" / "client_parallelism" for model-bound
-    server_slots: int | None = None  # requests the model server runs at once, all replicas (None: unknown)
-    server_slots_bound: str = ""  # where that figure comes from
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["evidence_items"] = [_jsonable(i) for i in d["evidence_items"]]
-        return d
-
-    def held(self) -> list[EvidenceItem]:
-        return [i for i in self.evidence_items if i.holds]
-
-
-def _jsonable(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, float):
-            v = None if (math.isnan(v) or math.isinf(v)) else round(v, 4)
-        out[k] = v
-    return out
 
 
 def _fmt_pct(x: float | None) -> str:
@@ -279,9 +217,13 @@ def diagnose(ev: Evidence) -> Diagnosis:
                 + (" (retries and backoff after failed requests)" if retrying else " (our own overhead)"),
                 NETWORK if retrying else CONTROL_PLANE, 1.5)
     if not (ev.rate_429 or 0) >= RATE_429:
-        # a rollout being verified holds no request slot: with a real verify share, empty slots wait on the verifier
-        on_verifier = (ev.verify_share or 0) >= VERIFY_SHARE_SUPPORT
-        r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW, "in-flight requests / parallelism: slots not kept full" + (" (rollouts wait on the verifier)" if on_verifier else ""), VERIFICATION if on_verifier else CONTROL_PLANE, 1.0, op="<")
+        # A rollout being verified holds no request slot (the engine runs twice the parallelism in workers): where
+        # verification takes a real share of each rollout, empty slots are rollouts waiting on the verifier.
+        waits_on_verifier = (ev.verify_share or 0) >= VERIFY_SHARE_SUPPORT
+        r.check("slot_utilization_low", ev.slot_utilization, SLOT_UTILIZATION_LOW,
+                "in-flight requests / parallelism: slots not kept full"
+                + (" (rollouts wait on the verifier)" if waits_on_verifier else ""),
+                VERIFICATION if waits_on_verifier else CONTROL_PLANE, 1.0, op="<")
 
     # ---- extra context (not scored)
     r.note("queue_ms_mean", ev.queue_ms, "mean wait for a parallelism slot (ms)")
