@@ -10,7 +10,9 @@ from django.http import HttpResponse, JsonResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rest_framework.throttling import BaseThrottle
 
-HEALTH_TIMEOUT_S = 2.0
+from .database import PROBE_TIMEOUT_S, check_database
+
+HEALTH_TIMEOUT_S = PROBE_TIMEOUT_S  # each part's answer: the database's and Redis'
 
 
 def client_address(request) -> str:
@@ -60,8 +62,6 @@ def healthz(request):
     """200 when the database and Redis (broker, channel layer, cache) answer, else 503 naming what failed.
     Open to anyone: it says ok or the failing part's error class, nothing more."""
     checks, healthy = {}, True
-    from .database import check_database
-
     for name, check in (("database", lambda: check_database(HEALTH_TIMEOUT_S)), ("redis", _check_redis)):
         t0 = time.perf_counter()
         try:
