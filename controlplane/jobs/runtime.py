@@ -137,15 +137,18 @@ def _mark_running(job_id):
     return job
 
 
-def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None) -> str:
+def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None,
+              peers=None) -> str:
     """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total.
-    on_stored(rows): see DbSink. summaries: see services.finalize_job."""
-    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored, summaries)
+    on_stored(rows): see DbSink. summaries: see services.finalize_job. peers: how many runs could start the
+    job's chunks together (sink.chunk_parallelism_share); None: the worker slots on the job's queue."""
+    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored, summaries, peers)
     record_chunk_run(outcome)
     return outcome
 
 
-def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None) -> str:
+def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_stored=None, summaries=None,
+               peers=None) -> str:
     """Run one chunk to its end. Returns the outcome:
     "done"        every pair of the chunk is stored (the job is finalized when it was the last chunk)
     "busy"        another live worker holds the lease (nothing done)
@@ -182,7 +185,10 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_s
             sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
                           on_progress=on_progress, on_stored=on_stored)
             spec = build_spec(job, worker_name)
-            spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism, starting=True)
+            if peers is None:  # 0 (no worker registered, no Redis): unknown, every open chunk may start now
+                peers = capacity.queue_slots(capacity.queue_of(job)) or None
+            spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism, starting=True,
+                                                       peers=peers)
             spec.tracing = trace_config(job, chunk)
             # the job's control, plus the run's total deadline and the owner's fair share (capacity.py)
             control = capacity.guard(DbControl(job=job, db=db, sink=sink, chunk=chunk,
@@ -271,7 +277,7 @@ def _finish_chunk_run(chunk, job, lease, summary, sink, tasks, redispatch, guard
 
 # --- the CLI path: every chunk in this process ------------------------------------------------
 def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait_for_lease_s=None, stats=None,
-                   on_stored=None, others_running=None, summaries=None):
+                   on_stored=None, others_running=None, summaries=None, peers=None):
     """Run every unfinished chunk of the job in this process, with the same code path as the Celery
     task (runtime.run_chunk), no worker needed. on_progress(payload) receives each progress message
     (events.progress_payload) — for a progress bar. A paused, failed or cancelled job is resumed first
@@ -282,7 +288,9 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
     `others_running()`, when given, says whether this run's own other engine processes are still at work
     (controlplane.jobs.engine_procs): chunks they hold are waited for as long as it is true, not counted as a
     lease wait and never given up on. `summaries`: a StoredRowSummaries that on_stored feeds (finalize_job
-    takes the job's summaries from it instead of reading the table back). Returns the job, refreshed."""
+    takes the job's summaries from it instead of reading the table back). `peers`: the processes that run the
+    job's chunks together (1: this one alone), so each chunk starts with its share of the parallelism and not
+    a share counting chunks nobody will start meanwhile (run_chunk). Returns the job, refreshed."""
     worker_name = worker_name or default_worker_name("inline")
     wait_for_lease_s = settings.JOBS_LEASE_TIMEOUT_S * 3 if wait_for_lease_s is None else wait_for_lease_s
     job.refresh_from_db()
@@ -310,7 +318,7 @@ def run_job_inline(job, on_progress=None, *, worker_name=None, resume=True, wait
             progressed = False
             for chunk_id in chunk_ids:
                 outcome = run_chunk(chunk_id, worker_name, on_progress=on_progress, redispatch=False,
-                                    on_stored=on_stored, summaries=summaries)
+                                    on_stored=on_stored, summaries=summaries, peers=peers)
                 if outcome != "busy":
                     progressed = True
                 call_with_db_retry(job.refresh_from_db, what=f"reading job {job.pk}")

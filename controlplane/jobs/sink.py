@@ -524,20 +524,24 @@ class DbSink:
 
 
 # --- control -------------------------------------------------------------------------------------
-def chunk_parallelism_share(job_id, chunk_id, total, *, starting=False) -> int:
+def chunk_parallelism_share(job_id, chunk_id, total, *, starting=False, peers=None) -> int:
     """The job's parallelism is its TOTAL in-flight budget, whatever the number of chunks running
     at once (on one worker or many): each running chunk gets an even share, the remainder going to
     the lowest chunk indexes, at least 1 each. Recomputed on every control poll, so shares grow
     back as chunks finish. A STARTING chunk also counts the job's chunks not yet running: chunks
     started together cannot see each other yet, and each taking the whole budget overshot it until
-    their next polls; its first polls grow the share (DbControl.SHARE_GROW_AFTER_S)."""
+    their next polls; its first polls grow the share (DbControl.SHARE_GROW_AFTER_S). `peers`, when
+    known, is how many runs could start the job's chunks together (the worker slots on its queue, the
+    command's engine processes; 1 for a command alone): no more chunks than that start at once, so a
+    job of many chunks run by few workers does not start each chunk at a sliver of its parallelism."""
     running = list(JobChunk.objects.filter(job_id=job_id, state=JobChunk.State.RUNNING)
                    .order_by("index").values_list("pk", flat=True))
     if chunk_id not in running:
         running.append(chunk_id)
     n, pos = len(running), running.index(chunk_id)
     if starting:
-        n = max(n, JobChunk.objects.filter(job_id=job_id).exclude(state=JobChunk.State.DONE).count())
+        waiting = JobChunk.objects.filter(job_id=job_id).exclude(state=JobChunk.State.DONE).count()
+        n = max(n, waiting if not peers else min(waiting, peers))
     return max(1, total // n + (1 if pos < total % n else 0))
 
 

@@ -27,6 +27,62 @@ def test_running_chunks_share_the_job_budget(user, math_dataset, sim_endpoint):
     assert [chunk_parallelism_share(job.pk, c.pk, 2) for c in chunks[:3]] == [1, 1, 1]
 
 
+@pytest.mark.django_db
+def test_a_starting_chunk_counts_only_the_chunks_that_can_start_with_it(user, math_dataset, sim_endpoint):
+    job = services.create_job(owner=user, dataset=math_dataset(40), endpoint=sim_endpoint("http://127.0.0.1:9"),
+                              num_samples_in_parallel=12, chunk_size=5, launch=False)
+    first = job.chunks.order_by("index").first()
+    assert job.chunks.count() == 8
+    # Run by one process (the command alone): no other chunk starts meanwhile, the whole budget.
+    assert chunk_parallelism_share(job.pk, first.pk, 12, starting=True, peers=1) == 12
+    # Three processes (or worker slots) may start three chunks together: a third each.
+    assert chunk_parallelism_share(job.pk, first.pk, 12, starting=True, peers=3) == 4
+    # Unknown (no worker registry): every open chunk may be starting, as before.
+    assert chunk_parallelism_share(job.pk, first.pk, 12, starting=True) == 2  # 12 // 8, the first of the rest
+    assert chunk_parallelism_share(job.pk, first.pk, 12, starting=True, peers=20) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_command_runs_each_chunk_at_the_whole_parallelism(simulator_factory, tmp_path):
+    """The command alone runs a job of many chunks one after the other: each starts at the job's parallelism,
+    not at a share counting the chunks still to come (a 30k-row file's six chunks started at 1/6, 1/5 ...
+    of it for a second each: 5 % of the command's time at 200 ms latency)."""
+    import json
+    import statistics
+
+    from django.core.management import call_command
+
+    sim = simulator_factory(ttft_ms=200, itl_ms=0, max_num_seqs=256)
+    inp = tmp_path / "tasks.jsonl"
+    inp.write_text("".join(json.dumps({"responses_create_params": {"input": [{"role": "user", "content": f"{i}+1?"}]},
+                                       "expected_answer": str(i + 1)}) + "\n" for i in range(96)))
+    running, stop = [], threading.Event()
+
+    def watch():
+        import re
+        while not stop.is_set():
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", sim.metrics_text(), re.M)
+            running.append(float(m.group(1)) if m else 0.0)
+            stop.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        call_command("collect_rollouts", f"+input_jsonl_fpath={inp}", f"+output_jsonl_fpath={tmp_path}/out.jsonl",
+                     f"+model_base_url={sim.url}/v1", f"+model_name={sim.model}", "+num_samples_in_parallel=12",
+                     "+chunk_size=24", "+verifier=exact", "+responses_create_params.max_output_tokens=8")
+    finally:
+        stop.set()
+        watcher.join()
+    job = JobChunk.objects.first().job
+    assert job.state == "completed" and job.completed_count == 96 and job.chunks.count() == 4
+    busy = [r for r in running if r > 0]
+    # 4 chunks of 2 rounds of 12: the server holds 12 but for the ends of rounds; started at a share of the
+    # chunks to come (3, 4, 6, 12 for the first second of each), the median was 4-6
+    assert len(busy) > 20 and statistics.median(busy) >= 10, sorted(busy)
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_chunks_never_exceed_the_job_parallelism(user, math_dataset, sim_endpoint, simulator_factory):

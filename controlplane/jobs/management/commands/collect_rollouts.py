@@ -442,7 +442,7 @@ class Command(BaseCommand):
                 pool = EngineProcesses(job, children, on_stored=on_stored, on_progress=on_progress, quiet=quiet).start()
             job = run_job_inline(job, on_progress=on_progress, stats=run_stats, on_stored=on_stored, summaries=summaries,
                                  worker_name=self._worker_names[0],
-                                 others_running=pool.others_running if pool else None)
+                                 others_running=pool.others_running if pool else None, peers=1 + children)
             if pool is not None:
                 pool.join()
             if terminated:  # the signal's KeyboardInterrupt was swallowed; the job was paused all the same
