@@ -10,8 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, auth, observe, ops
-from . import openended
+from . import EXIT_API, EXIT_GATE, EXIT_JOB, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, __version__, auth, observe, openended, ops
 from .client import ApiError, Client
 
 TERMINAL_STATES = {"completed", "failed", "cancelled"}
@@ -242,6 +241,7 @@ def _wait_exact_pass(client: Client, job: dict, deadline, poll_s: float) -> tupl
     if run["state"] != "done":
         log(f"job {job_id}: the exact pass failed: {run.get('error')}")
         return job, EXIT_JOB
+    job = client.job(job_id)  # again: the reply saying "done" read the job row first, maybe before the metrics
     agree = (run.get("info") or {}).get("fast_agreement") or {}
     same = f"; fast and exact agree on {agree['same']}/{agree['compared']}" if agree.get("compared") else ""
     log(f"job {job_id} completed and verified exactly: {run['verified']} rollouts, {run['errors']} verifier errors{same}")
@@ -289,6 +289,7 @@ def do_verify(client: Client, args) -> tuple[dict, int]:
     if run.get("state") != "done":
         log(f"verification of job {args.job} {run.get('state')}: {run.get('error')}")
         return job, EXIT_JOB
+    job = client.job(args.job)  # again: the reply saying "done" read the job row first, maybe before the metrics
     rate = run.get("cache_hit_rate")
     log(f"job {args.job} verified: {run['verified']} rollouts, {run['errors']} verifier errors, "
         f"mean/reward {job['aggregate_metrics'].get('mean/reward')}"
@@ -302,8 +303,7 @@ def jsonl_path(path: str) -> str:
 
 
 def _sidecar(path: str, suffix: str, ext: str) -> str:
-    stem = path[:-6] if path.endswith(".jsonl") else path
-    return f"{stem}{suffix}{ext}"
+    return f"{path[:-6] if path.endswith('.jsonl') else path}{suffix}{ext}"
 
 
 def do_run_exports(client: Client, job: dict, path: str) -> None:

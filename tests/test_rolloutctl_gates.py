@@ -49,3 +49,40 @@ def test_a_single_url_never_reuses_an_endpoint_with_replicas():
     assert not endpoint_matches({**ep, "replica_urls": ["http://dead:8000"]}, "http://h:8000", "m", None, None)
     assert not endpoint_matches(ep, "http://h:8000", "other", None, None)
     assert not endpoint_matches(ep, "http://h:8000", "m", None, "sk-key")
+
+
+class _VerifyingServer:
+    """The replies of a job whose verification ends between the two reads of one GET: that reply says "done"
+    with the metrics from before the run (the job row was read first); the next read has the run's."""
+
+    def __init__(self):
+        run = {"id": 1, "verifier": "math", "total": 30, "verified": 30, "errors": 0, "cache_hit_rate": 0.0}
+        before, after = {"mean/output_tokens": 8.0}, {"mean/output_tokens": 8.0, "mean/reward": 0.6}
+        row = job(30, 0)
+        self.replies = [
+            {**row, "verification": {**run, "state": "running", "verified": 0}, "aggregate_metrics": before},
+            {**row, "verification": {**run, "state": "done"}, "aggregate_metrics": before},
+            {**row, "verification": {**run, "state": "done"}, "aggregate_metrics": after},
+        ]
+
+    def verify_job(self, job_id, verifier, options):
+        return self.replies.pop(0)
+
+    def job(self, job_id):
+        return self.replies.pop(0)
+
+
+@pytest.mark.parametrize("wait", ["verify", "exact pass"])
+def test_a_verified_jobs_metrics_are_read_after_the_run_is_seen_done(wait, capsys):
+    from rolloutctl.cli import _wait_exact_pass, do_verify
+
+    server = _VerifyingServer()
+    if wait == "verify":
+        args = build_parser().parse_args(["verify", "7", "--poll-interval", "0", "--metric", "mean/reward",
+                                          "--min", "0.2"])
+        job, code = do_verify(server, args)
+        assert "mean/reward 0.6" in capsys.readouterr().err
+    else:
+        job, code = _wait_exact_pass(server, server.replies.pop(0), None, 0)
+    assert code == EXIT_OK and job["aggregate_metrics"]["mean/reward"] == 0.6 and not server.replies
+    assert do_gate(job, [{"metric": "mean/reward", "min": 0.2, "max": None}]) == EXIT_OK
