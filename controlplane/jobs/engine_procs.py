@@ -47,7 +47,7 @@ def _worker_prefix(pid: int) -> str:
 
 
 # --- the child ---------------------------------------------------------------------------------------------
-def _child_main(db_settings: dict, job_id: int, conn, index: int, quiet: bool, argv: list, peers: int = 0) -> None:
+def _child_main(db_settings: dict, job_id: int, conn, index: int, quiet: bool, argv: list, peers: int | None = None) -> None:
     """A child engine process (spawned): Django on the command's database, then the inline loop. `argv`: the
     command's, to warm the verifier pool while Django sets up, as manage.py does for the command."""
     from workers.cli_start import prewarm_from_argv, quick_exit
@@ -101,7 +101,7 @@ def _child_main(db_settings: dict, job_id: int, conn, index: int, quiet: bool, a
         job = CollectionJob.objects.get(pk=job_id)
         # wait_for_lease_s=0: chunks held by others are theirs; this child ends when it finds none to take
         run_job_inline(job, on_progress=on_progress, on_stored=on_stored, resume=False, wait_for_lease_s=0,
-                       worker_name=default_worker_name(f"engine{index}"), peers=peers or None)
+                       worker_name=default_worker_name(f"engine{index}"), peers=peers)
     except KeyboardInterrupt:  # the chunk was given back and the job paused by run_job_inline
         code = 130
     except Exception:  # noqa: BLE001  (said on stderr; the command gives back what this process held)
