@@ -31,7 +31,7 @@ from django.utils import timezone
 from controlplane.endpoints.services import endpoint_spec
 from controlplane.leases import stale_before
 from controlplane.telemetry import record_chunk_run, record_lease_taken
-from workers.engine.loop import run as run_on_loop
+from workers.engine.loop import collector_tuned, run as run_on_loop
 from workers.engine.runner import run_collection
 from workers.engine.types import CollectionSpec
 import workers.nemo_gym.engine  # noqa: F401  (registers the NeMo Gym rollout sources: agents' /run, remote /verify)
@@ -142,7 +142,8 @@ def run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_st
     """Run one chunk to its end (_run_chunk); its outcome is counted in controlplane_chunk_runs_total.
     on_stored(rows): see DbSink. summaries: see services.finalize_job. peers: how many runs could start the
     job's chunks together (sink.chunk_parallelism_share); None: the worker slots on the job's queue."""
-    outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored, summaries, peers)
+    with collector_tuned():  # the run's garbage is collected as it ends, its sink and loop included
+        outcome = _run_chunk(chunk_id, worker_name, on_progress, redispatch, on_stored, summaries, peers)
     record_chunk_run(outcome)
     return outcome
 

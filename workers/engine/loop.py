@@ -58,6 +58,11 @@ def collector_tuned():
         with _tuning_lock:
             _tuned_runs -= 1
             if _tuned_runs == 0:
+                # The runs' garbage in reference cycles (a closed loop that channels_redis's bound `close` still
+                # names, tasks and their owners, exceptions and their frames) would wait for a full collection,
+                # which a worker's large heap makes rare: with a loop a chunk, a worker grew ~0.3 MB a chunk.
+                # Collected while the heap is still frozen, only what the runs made is scanned.
+                gc.collect()
                 gc.set_threshold(*_saved_threshold)
                 gc.unfreeze()
 
