@@ -413,6 +413,8 @@ class JobDetailSerializer(JobSerializer):
 
     @extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True})
     def get_verification(self, job):
+        if "verification" in self.context:  # read by the view before the job row (JobViewSet.retrieve)
+            return self.context["verification"]
         return verification_summary(job)
 
     def get_elapsed_s(self, job) -> float | None:

@@ -30,6 +30,7 @@ from controlplane.jobs import versions as job_versions
 from controlplane.jobs import profile as job_profile
 from controlplane.jobs.models import JobMetricSample, Rollout
 from controlplane.jobs.verification import start_verification
+from controlplane.jobs.verification import summary as verification_summary
 from controlplane.jobs.workers import job_workers
 
 from . import serializers as s
@@ -274,6 +275,18 @@ class JobViewSet(ApiMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, vie
         if self.action == "create":
             return s.JobCreateSerializer
         return s.JobDetailSerializer if self.action != "list" else s.JobSerializer
+
+    def retrieve(self, request, *args, **kwargs):
+        # The latest verification run is read before the job row: a run stores the job's metrics before it marks
+        # itself done, so a reply saying "done" carries them. Read after the job row, a run that finished in
+        # between paired "done" with the metrics from before it (a client polling for "done" then read stale ones).
+        try:
+            verification = verification_summary(int(kwargs[self.lookup_field]))
+        except (TypeError, ValueError):
+            verification = None
+        job = self.get_object()  # another user's job: 404 here, before anything read above is shown
+        return Response(s.JobDetailSerializer(job, context={**self.get_serializer_context(),
+                                                            "verification": verification}).data)
 
     @extend_schema(
         summary="Create (and launch) a collection job",

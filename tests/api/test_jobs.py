@@ -135,6 +135,32 @@ def test_detail_has_progress_metrics_timing(api, job):
     assert 9 < body["elapsed_s"] < 12
 
 
+def test_detail_never_pairs_a_finished_verification_with_the_metrics_from_before_it(api, job, monkeypatch):
+    """A verification run stores the job's metrics, then marks itself done. Here it does both while the detail
+    view is between its two reads (the job row and the run): the reply may say "running" with the old metrics or
+    "done" with the new ones, never "done" with the old (a client that polls for "done" then reads stale ones)."""
+    from controlplane.api.views import JobViewSet
+    from controlplane.jobs.models import VerificationRun
+
+    CollectionJob.objects.filter(pk=job.pk).update(state=JobState.COMPLETED, aggregate_metrics={"mean/reward": None})
+    run = VerificationRun.objects.create(job=job, verifier="exact", state=VerificationRun.State.RUNNING, total=3)
+    real_get_object = JobViewSet.get_object
+
+    def get_object_then_the_run_finishes(view):
+        found = real_get_object(view)
+        CollectionJob.objects.filter(pk=job.pk).update(aggregate_metrics={"mean/reward": 0.5})
+        VerificationRun.objects.filter(pk=run.pk).update(state=VerificationRun.State.DONE, verified=3)
+        return found
+
+    monkeypatch.setattr(JobViewSet, "get_object", get_object_then_the_run_finishes)
+    body = api.get(f"/api/jobs/{job.pk}/").json()
+    seen = (body["verification"]["state"], body["aggregate_metrics"]["mean/reward"])
+    assert seen in {("running", None), ("done", 0.5)}, seen
+    monkeypatch.undo()
+    body = api.get(f"/api/jobs/{job.pk}/").json()
+    assert (body["verification"]["state"], body["aggregate_metrics"]["mean/reward"]) == ("done", 0.5)
+
+
 def test_other_users_job_is_404_on_every_job_route(api, bob):
     theirs = service_job(bob)
     base = f"/api/jobs/{theirs.pk}/"
