@@ -42,8 +42,9 @@ from . import capacity, services
 from .extensions import wrap_run
 from .events import publish_job_state
 from .models import CHUNK_LEASE, CollectionJob, InvalidTransition, JobChunk, JobState
+from .chunk_tasks import ChunkTasks
 from .sink import (
-    ChunkTasks, DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
+    DbControl, DbSink, DbThread, call_with_db_retry, chunk_parallelism_share, ensure_usable_connection,
 )
 from .verifier_checks import bind_options
 from .verify_cache import verify_cache_spec
