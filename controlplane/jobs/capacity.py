@@ -50,19 +50,24 @@ def _redis():
     return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
 
-def _slot_key(queue: str, node: str = "*") -> str:
-    # one registry per control plane (its database): several may share one Redis
-    return f"controlplane:slots:{settings.DATABASES['default']['NAME']}:{queue}:{node}"
+def _slot_key(queue: str) -> str:
+    # one registry per control plane (its database): several may share one Redis. A hash per queue, node -> "slots
+    # expiry": read with one HGETALL. Not a key per node found with SCAN, which walks the whole keyspace (the
+    # verification cache's keys too): 1.1-1.6 s at 1.15M keys, every few chunks a worker started, growing with
+    # every rollout verified.
+    return f"controlplane:slots:{settings.DATABASES['default']['NAME']}:{queue}"
 
 
 def register_slots(node: str, queues, concurrency: int, ttl_s: float = SLOT_TTL_S) -> None:
     client = _redis()
     if client is None:
         return
+    ttl = max(1, int(ttl_s))
     try:
         with client.pipeline() as pipe:
             for q in queues:
-                pipe.set(_slot_key(q, node), int(concurrency), ex=max(1, int(ttl_s)))
+                pipe.hset(_slot_key(q), node, f"{int(concurrency)} {time.time() + ttl:.0f}")
+                pipe.expire(_slot_key(q), ttl)  # every worker of the queue gone: the hash goes too
             pipe.execute()
     finally:
         client.close()
@@ -73,7 +78,10 @@ def unregister_slots(node: str, queues) -> None:
     if client is None:
         return
     try:
-        client.delete(*[_slot_key(q, node) for q in queues])
+        with client.pipeline() as pipe:
+            for q in queues:
+                pipe.hdel(_slot_key(q), node)
+            pipe.execute()
     finally:
         client.close()
 
@@ -90,8 +98,11 @@ def collection_slots(queue: str) -> int:
     client = _redis()
     if client is not None:
         try:
-            keys = list(client.scan_iter(match=_slot_key(queue), count=500))
-            total = sum(int(v) for v in client.mget(keys) if v is not None) if keys else 0
+            now = time.time()
+            for value in client.hgetall(_slot_key(queue)).values():
+                slots, _, expires = value.decode().partition(" ")
+                if float(expires or 0) > now:  # a worker that died without unregistering counts until it expires
+                    total += int(slots)
         except Exception as exc:  # noqa: BLE001 - no share without the registry, never a failed chunk
             logger.warning("fair share: could not read the worker registry: %s", exc)
         finally:
