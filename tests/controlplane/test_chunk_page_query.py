@@ -56,3 +56,46 @@ def test_runs_become_ranges_and_the_rest_one_list():
     where = str(Rollout.objects.with_task_indices({1, 2, 3, 7, 10, 11, 40}).query).split("WHERE")[1]
     assert where.count("BETWEEN") + where.count(">=") == 2 and "IN (7, 40)" in where, where
     assert "IN (4)" in str(Rollout.objects.with_task_indices({4}).query)
+
+
+@pytest.mark.django_db
+def test_pairs_in_repeat_ranges_are_probes_whatever_the_statistics():
+    """A chunk's completeness check and its pages ask for (task, repeats of one occurrence) pairs. Asked as an IN
+    list with the repeat range, PostgreSQL read every stored row of the job in that range when it judged the range
+    rare (statistics from early in the job): 50-120 ms a query at 400k stored rows, growing with the job."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the plan is PostgreSQL's")
+    from controlplane.jobs.chunk_tasks import stored_pairs_in_ranges
+
+    owner = make_user("repeat-ranges")
+    job = CollectionJob.objects.create(owner=owner, dataset=make_dataset(owner, n=3), endpoint=make_endpoint(owner),
+                                       state="running", num_repeats=1, total_rollouts=40_000)
+    # 2,000 distinct lines seen 20 times each: task t's k-th occurrence is its repeat index k. The statistics are
+    # from before the job grew (autovacuum analyzes a growing table now and then), when another job's rows made
+    # most of the table: the planner takes this job for a small one
+    other = CollectionJob.objects.create(owner=owner, dataset=job.dataset, endpoint=job.endpoint, state="completed",
+                                         num_repeats=1, total_rollouts=10_000)
+    Rollout.objects.bulk_create([Rollout(job=other, task_index=t, rollout_index=0, status="ok", data={})
+                                 for t in range(10_000)], batch_size=5000)
+    Rollout.objects.bulk_create([Rollout(job=job, task_index=t, rollout_index=0, status="ok", data={})
+                                 for t in range(100)])
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE jobs_rollout")
+    Rollout.objects.bulk_create([Rollout(job=job, task_index=t, rollout_index=k, status="ok", data={})
+                                 for k in range(20) for t in range(2000) if k or t >= 100], batch_size=5000)
+    tasks = list(range(3, 2000, 40))  # 50 scattered tasks at their 16th occurrence, and 5 not stored yet
+    tasks_at = tasks + [2100, 2101, 2102, 2103, 2104]
+    los, his = [15] * len(tasks_at), [16] * len(tasks_at)
+    with CaptureQueriesContext(connection) as ctx:
+        count = stored_pairs_in_ranges(job.pk, tasks_at, los, his, count=True)
+        pairs = set(stored_pairs_in_ranges(job.pk, tasks_at, los, his))
+    assert count == len(tasks) and pairs == {(t, 15) for t in tasks}
+    for query in ctx.captured_queries:
+        read = _rows_read(query["sql"], None)
+        assert read <= 2 * len(tasks) + 10, (read, query["sql"][:300])
+    # the question as it was asked before: the job's rows of that repeat, every task's, were read
+    old = Rollout.objects.filter(job_id=job.pk, rollout_index__gte=15, rollout_index__lt=16, task_index__in=tasks_at)
+    with CaptureQueriesContext(connection) as ctx:
+        assert old.count() == len(tasks)
+    old_read = _rows_read(ctx.captured_queries[-1]["sql"], None)
+    assert old_read > 10 * len(tasks), f"the setup does not trap the planner ({old_read} rows read): it proves nothing"
