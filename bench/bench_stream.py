@@ -171,6 +171,9 @@ def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
     return out
 
 
+_SERVER_PID = [0]  # the web server's process, while web_server() runs
+
+
 @contextlib.contextmanager
 def web_server():
     """The product's web server (uvicorn, controlplane.asgi, as `make demo` starts it) on a free port, serving
@@ -189,6 +192,7 @@ def web_server():
            "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "uvicorn"), "controlplane.asgi:application",
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env, cwd=ROOT)
+    _SERVER_PID[0] = proc.pid
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -269,15 +273,23 @@ def _use_decoder(name: str) -> None:
 _ROLLOUTCTL_LOADS = loads
 
 
-def over_http(token, job_id, n, batch, fields, rounds, decoders=("orjson",)) -> dict:
+HTTP_ARMS = ("export", "export held", "stream", "fields=", "stream doc", "fields= doc")
+
+
+def over_http(token, job_id, n, batch, fields, rounds, decoders=("orjson",), only=HTTP_ARMS) -> dict:
     """`rounds` reads of every arm through the web server, the order rotated each round: {arm: [seconds...]}.
-    With more than one decoder, every arm once with each (named "<arm> <decoder>")."""
-    base_arms = ["export", "export held", "stream", *(["fields="] if fields else []), "stream doc",
-                 *(["fields= doc"] if fields else [])]
+    With more than one decoder, every arm once with each (named "<arm> <decoder>"). Also the RSS (MiB) of the
+    reader (this process) and of the web server after each read: {arm: [(reader, server)...]}."""
+    import psutil
+
+    base_arms = [a for a in HTTP_ARMS if a in only and (fields or not a.startswith("fields="))]
     arms = base_arms if len(decoders) == 1 else [f"{a} {d}" for d in decoders for a in base_arms]
     out = {a: [] for a in arms}
     cpu = {a: [] for a in arms}  # this process's (the reader's) CPU seconds per run
+    rss = {a: [] for a in arms}
+    reader = psutil.Process()
     with web_server() as base:
+        server = psutil.Process(_SERVER_PID[0])
         export_http(base, token, job_id)  # warms the server process and the table's pages
         for k in range(rounds):
             for a in arms[k % len(arms):] + arms[:k % len(arms)]:
@@ -292,10 +304,11 @@ def over_http(token, job_id, n, batch, fields, rounds, decoders=("orjson",)) -> 
                                      lines=not a_base.endswith(" doc"))
                 out[a].append(time.perf_counter() - t0)
                 cpu[a].append(time.process_time() - c0)
+                rss[a].append((reader.memory_info().rss / 2**20, server.memory_info().rss / 2**20))
                 assert got == n, (a, got, n)
             print("  round %d: " % (k + 1) + ", ".join(f"{a} {n / t[-1]:,.0f} rows/s" for a, t in out.items()),
                   file=sys.stderr, flush=True)
-    return {"wall": out, "cpu": cpu}
+    return {"wall": out, "cpu": cpu, "rss": rss}
 
 
 def fill_fast(job, n: int, template: int = 2000) -> float:
@@ -419,6 +432,11 @@ def print_http(results, args) -> None:
     print("\nThe reader's CPU (this process: rolloutctl's client, decoding), µs per rollout, median of the rounds:")
     for n, out in results:
         print(f"{n:>9,} " + " ".join(f"{a}: {statistics.median(c) / n * 1e6:.1f}" for a, c in out["cpu"].items()))
+    print("\nRSS MiB after each read, in the order read (reader: this process; server: uvicorn):")
+    for n, out in results:
+        for a, marks in out["rss"].items():
+            print(f"{n:>9,} {a:>12}: reader " + " ".join(f"{r:.0f}" for r, _ in marks)
+                  + ", server " + " ".join(f"{w:.0f}" for _, w in marks))
 
 
 def main(argv=None):
@@ -441,6 +459,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="--http: reads of each arm, the order rotated")
     ap.add_argument("--decoders", default="orjson", help="--http: the readers' JSON decoders, comma-separated: "
                     "orjson (rolloutctl's), json (the standard library's); more than one: every arm with each")
+    ap.add_argument("--arms", default=",".join(HTTP_ARMS),
+                    help="--http: the arms to read, comma-separated, of: " + ", ".join(HTTP_ARMS))
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
 
@@ -458,7 +478,7 @@ def main(argv=None):
             print(f"inserted {n} rollouts in {fill_s:.1f} s", file=sys.stderr, flush=True)
             if args.http:
                 results.append((n, over_http(token, job.pk, n, args.batch, args.fields, args.rounds,
-                                             tuple(args.decoders.split(",")))))
+                                             tuple(args.decoders.split(",")), tuple(args.arms.split(",")))))
                 continue
             measure_export(client, token, job.pk, "ok")  # warms the process and the table's pages
             exp = export_parsed(client, token, job.pk, n)
