@@ -18,7 +18,8 @@ end to end). The machine's load is printed with every run.
     .venv/bin/python -m bench.bench_cli -n 3000 -c 64 --latency-ms 0 --pairs 3
 
 --arms A,B picks the two sides compared (default bare,product): `pN` is the product with +engine_processes=N,
-e.g. `--arms p1,p2 --runs rerun` measures one engine process against two (the ratio is A's wall / B's). With two
+e.g. `--arms p1,p2 --runs rerun` measures one engine process against two (the ratio is A's wall / B's); `sN` is
+the product with +chunk_size=N. With two
 product arms the pair's file is loaded as a dataset before the pair (untimed: a +limit=1 run), so both reuse it.
 
 The commands run without PYTHONDONTWRITEBYTECODE (`--no-bytecode` keeps it), after one untimed product command:
@@ -81,7 +82,8 @@ def bare_cmd(sim_url, path, n, conc) -> list[str]:
             "-n", str(n), "-c", str(conc), "--max-tokens", str(MAX_TOKENS), "--verify", "--json"]
 
 
-def product_cmd(sim_url, path, out, conc, rerun: bool, processes: int | None = None) -> list[str]:
+def product_cmd(sim_url, path, out, conc, rerun: bool, processes: int | None = None,
+                chunk_size: int | None = None) -> list[str]:
     cmd = [sys.executable, "manage.py", "collect_rollouts", f"+input_jsonl_fpath={path}",
            f"+output_jsonl_fpath={out}", f"+model_base_url={sim_url}/v1", f"+model_name={MODEL}",
            f"+num_samples_in_parallel={conc}", f"+responses_create_params.max_output_tokens={MAX_TOKENS}",
@@ -90,13 +92,19 @@ def product_cmd(sim_url, path, out, conc, rerun: bool, processes: int | None = N
         cmd.append("+resume=false")
     if processes is not None:
         cmd.append(f"+engine_processes={processes}")
+    if chunk_size is not None:
+        cmd.append(f"+chunk_size={chunk_size}")
     return cmd
 
 
 def arm_cmd(arm, sim_url, path, out, n, conc, rerun: bool) -> list[str]:
     if arm == "bare":
         return bare_cmd(sim_url, path, n, conc)
-    return product_cmd(sim_url, path, out, conc, rerun, None if arm == "product" else int(arm[1:]))
+    if arm == "product":
+        return product_cmd(sim_url, path, out, conc, rerun)
+    if arm[0] == "s":
+        return product_cmd(sim_url, path, out, conc, rerun, chunk_size=int(arm[1:]))
+    return product_cmd(sim_url, path, out, conc, rerun, int(arm[1:]))
 
 
 def load() -> str:
@@ -111,8 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-ms", type=ints, default=[0, 200])
     ap.add_argument("--runs", default="first,rerun")
     ap.add_argument("--pairs", type=int, default=1, help="interleaved bare/product pairs per cell")
-    ap.add_argument("--arms", default="bare,product", help="the two sides: bare, product or pN (the product with "
-                    "+engine_processes=N); ratio = first's wall / second's")
+    ap.add_argument("--arms", default="bare,product", help="the two sides: bare, product, pN (the product with "
+                    "+engine_processes=N) or sN (with +chunk_size=N); ratio = first's wall / second's")
     ap.add_argument("--db", default="", help="product database URL (default: a fresh SQLite file, the laptop default)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json")
@@ -121,8 +129,8 @@ def main(argv=None) -> int:
                          "start) instead of letting the commands cache their bytecode as Python does by default")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
-    if len(arms) != 2 or not all(a in ("bare", "product") or (a[:1] == "p" and a[1:].isdigit()) for a in arms):
-        ap.error("--arms: two of bare, product, pN")
+    if len(arms) != 2 or not all(a in ("bare", "product") or (a[:1] in "ps" and a[1:].isdigit()) for a in arms):
+        ap.error("--arms: two of bare, product, pN, sN")
 
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_cli_") as tmp:
