@@ -173,9 +173,11 @@ def collector_paused():
     collected first, before the batch exists (< 1 ms: a few thousand objects at most), so that the caller's
     young cyclic garbage is freed, not moved with it; _FULL runs the full collections the handover would
     otherwise put off. Full collections walk the batch while it lives and find any cycle in it. A caller that
-    froze objects itself (gc.freeze() before a fork) keeps them frozen: then the batch is left young."""
+    froze objects itself (gc.freeze() before a fork) keeps them frozen, one that set threshold 0 runs no
+    collection: then the batch is left young."""
     enabled = gc.isenabled()
-    handover = enabled and gc.get_freeze_count() == 0
+    # a caller that turned automatic collection off (threshold 0) or froze its heap gets no collection from here
+    handover = enabled and gc.get_threshold()[0] > 0 and gc.get_freeze_count() == 0
     if handover:
         gc.collect(1)
     gc.disable()

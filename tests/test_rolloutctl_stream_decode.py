@@ -111,3 +111,22 @@ def test_objects_the_caller_froze_stay_frozen():
         assert batch["rollouts"] == _rows(2) and gc.get_freeze_count() == frozen and gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_a_caller_that_turned_automatic_collection_off_gets_none_from_a_take():
+    """gc.set_threshold(0) turns automatic collection off: a take then runs no collection of its own."""
+    before = gc.get_threshold()
+    runs = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+    gc.set_threshold(0)
+    gc.callbacks.append(count)
+    try:
+        for _ in range(120):  # past _FullCollections.TAKES
+            assert decode_lines([b'{"id": 1}\n{"batch": {"count": 1}}\n']) is not None
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*before)
+    assert runs == []
