@@ -171,13 +171,10 @@ def interleaved(client, token, job_id, batch, fields: str = "") -> dict:
     return out
 
 
-_SERVER_PID = [0]  # the web server's process, while web_server() runs
-
-
 @contextlib.contextmanager
 def web_server():
     """The product's web server (uvicorn, controlplane.asgi, as `make demo` starts it) on a free port, serving
-    this process's (throwaway) database with the API's throttles off: yields its base URL."""
+    this process's (throwaway) database with the API's throttles off: yields its base URL and its pid."""
     import socket
     import subprocess
 
@@ -192,7 +189,6 @@ def web_server():
            "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "uvicorn"), "controlplane.asgi:application",
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env, cwd=ROOT)
-    _SERVER_PID[0] = proc.pid
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -204,7 +200,7 @@ def web_server():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the web server did not start") from None
                 time.sleep(0.2)
-        yield base
+        yield base, proc.pid
     finally:
         proc.terminate()
         try:
@@ -288,8 +284,8 @@ def over_http(token, job_id, n, batch, fields, rounds, decoders=("orjson",), onl
     cpu = {a: [] for a in arms}  # this process's (the reader's) CPU seconds per run
     rss = {a: [] for a in arms}
     reader = psutil.Process()
-    with web_server() as base:
-        server = psutil.Process(_SERVER_PID[0])
+    with web_server() as (base, server_pid):
+        server = psutil.Process(server_pid)
         export_http(base, token, job_id)  # warms the server process and the table's pages
         for k in range(rounds):
             for a in arms[k % len(arms):] + arms[:k % len(arms)]:
