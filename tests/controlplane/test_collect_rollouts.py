@@ -269,11 +269,17 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
     job.refresh_from_db()
     done_after_first = Rollout.objects.filter(job=job).count()
     assert 0 < done_after_first < n_tasks * repeats, log1
-    # the output holds exactly the rollouts stored when the run stopped: appended as each batch committed
+    # the output holds the rollouts stored when the run stopped, each once: appended as each batch committed. A
+    # SIGKILL can land between a batch's commit and its write (outfiles: the rerun appends what the file lacks), so
+    # there the file may lag the table by that batch, never hold a row the table lacks
     lines = out.read_text().splitlines()
     stored = set(Rollout.objects.filter(job=job, status=Rollout.Status.OK).values_list("task_index", "rollout_index"))
     on_disk = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in map(json.loads, lines)]
-    assert len(on_disk) == len(set(on_disk)) and set(on_disk) == stored, (len(on_disk), len(stored))
+    assert len(on_disk) == len(set(on_disk)), len(on_disk)
+    if sig == signal.SIGINT:
+        assert set(on_disk) == stored, (len(on_disk), len(stored))
+    else:
+        assert set(on_disk) <= stored, (len(on_disk), len(stored))
     # written before collecting, as ng_collect_rollouts does: its own +resume_from_cache=true needs it on this
     # interrupted run's files (it skips the cache, and clears the output, where it is missing)
     mat = [json.loads(line) for line in (tmp_path / "rollouts_materialized_inputs.jsonl").read_text().splitlines()]
