@@ -82,7 +82,9 @@ KEYS: list[Key] = [
     Key("verify_mode", "choice", "inline: verify as rows arrive; fast: cheap heuristic; deferred: collect now, verify later",
         "inline", choices=("inline", "fast", "deferred")),
     Key("verifier_options.<option>", "dict", "options passed to the verifier", None),
-    Key("chunk_size", "int", "dataset rows per chunk (unit of resume)", 5000, minimum=1),
+    Key("chunk_size", "int", "dataset rows per chunk, the unit processes share by lease (unset: one chunk of "
+        "the whole input for one process; with engine_processes, 2 chunks a process of at most the default)", 5000,
+        minimum=1),
     Key("engine_processes", "int", "run the job's chunks in N processes on this host (this one and N-1 children, "
         "sharing the chunks by lease and the parallelism) when one process's CPU is the limit; with chunk_size "
         "unset the job gets 2 chunks per process", 1, minimum=1, maximum=64, identity=False),

@@ -18,7 +18,7 @@ from django.db import connection
 from django.db.models import Count
 
 from controlplane.jobs.dropin_args import ArgError, parse_overrides
-from controlplane.jobs.models import CollectionJob, JobState, Rollout
+from controlplane.jobs.models import CollectionJob, JobChunk, JobState, Rollout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,6 +188,10 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys, 
     assert job.state == JobState.COMPLETED and job.idempotency_key.startswith("cli:")
     assert job.name == "cli: math_agent" and job.output_path == str(out.resolve())
     assert job.responses_create_params == {"max_output_tokens": 48, "temperature": 0.5}
+    # +chunk_size unset, one process: the whole input is one chunk (no drain of the requests in flight between
+    # chunks); the job's identity still names the default, so the same command finds this job again
+    assert job.chunk_size == 30 and list(JobChunk.objects.filter(job=job).values_list("start_row", "end_row")) == \
+        [(0, 30)]
 
     out.unlink()
     call_command("collect_rollouts", *cli_args(inp, out, simulator.url))  # same command: no new job, output again
@@ -198,6 +202,7 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys, 
     before = out.read_text()
     call_command("collect_rollouts", *cli_args(inp, out, simulator.url, "+limit=10"))
     assert CollectionJob.objects.count() == 2 and "Output: appending to" in capsys.readouterr().err
+    assert CollectionJob.objects.latest("pk").chunk_size == 10  # one chunk of the rows +limit leaves
     text = out.read_text()
     assert text.startswith(before) and len(text.splitlines()) == 60 + 20
     appended = [json.loads(line) for line in text[len(before):].splitlines()]

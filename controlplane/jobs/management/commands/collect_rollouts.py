@@ -273,7 +273,7 @@ class Command(BaseCommand):
 
         name = cfg["name"] or cfg["agent_name"] or Path(cfg["input_jsonl_fpath"]).stem
         chunk_size = cfg["chunk_size"]
-        if cfg["engine_processes"] > 1 and "chunk_size" not in cfg["_given"]:  # chunks enough for every process
+        if "chunk_size" not in cfg["_given"]:  # one chunk for one process, else enough for every process
             from controlplane.jobs.engine_procs import chunk_size_for
 
             n_rows = min(cfg["limit"], dataset.row_count) if cfg["limit"] else dataset.row_count
