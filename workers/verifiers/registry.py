@@ -252,32 +252,45 @@ def fit_candidates(extra: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
 
 class FieldFit:
     """Which verifiers a dataset's rows can serve, computed while the rows stream past (constant memory):
-    per verifier, how many rows lack a field it reads, which fields, and the first line numbers."""
+    per verifier, how many rows lack a field it reads, which fields, and the first line numbers.
+
+    A row is counted under its signature (the fields it lacks, of all the verifiers'), with the signature's first
+    `keep` line numbers; `result` folds the signatures into each verifier's figures. The rows of a dataset share
+    a few signatures, so a row costs its field lookups and one counter, not a pass over every verifier."""
 
     def __init__(self, required: dict[str, tuple[str, ...]], keep: int = FIT_LINES_KEPT):
         self.required = {name: tuple(fields) for name, fields in required.items()}
         self.keep = keep
-        self.lacking = {name: 0 for name in self.required}
-        self.lines: dict[str, list[int]] = {name: [] for name in self.required}
-        self.fields: dict[str, dict[str, int]] = {name: {} for name in self.required}
-        self._all_fields = sorted({f for fields in self.required.values() for f in fields})
+        self._all_fields = tuple(sorted({f for fields in self.required.values() for f in fields}))
+        self._rows: dict[tuple[str, ...], int] = {}  # lacked fields -> rows
+        self._lines: dict[tuple[str, ...], list[int]] = {}  # lacked fields -> its first `keep` line numbers
 
     def add(self, line: int, row: dict) -> None:
-        present = {f: has_field(row, f) for f in self._all_fields}
-        for name, fields in self.required.items():
-            missing = [f for f in fields if not present[f]]
-            if missing:
-                self.lacking[name] += 1
-                if len(self.lines[name]) < self.keep:
-                    self.lines[name].append(line)
-                for f in missing:
-                    self.fields[name][f] = self.fields[name].get(f, 0) + 1
+        lacked = tuple([f for f in self._all_fields if not has_field(row, f)])
+        rows = self._rows.get(lacked)
+        if rows is None:
+            self._rows[lacked], self._lines[lacked] = 1, [line]
+            return
+        self._rows[lacked] = rows + 1
+        if rows < self.keep:
+            self._lines[lacked].append(line)
 
     def result(self) -> dict[str, dict]:
         """{name: {"required", "fits", "lacking_rows", "lines" (the first ones), "missing" {field: rows}}}"""
-        return {name: {"required": list(fields), "fits": self.lacking[name] == 0,
-                       "lacking_rows": self.lacking[name], "lines": self.lines[name], "missing": self.fields[name]}
-                for name, fields in sorted(self.required.items())}
+        out = {}
+        for name, fields in sorted(self.required.items()):
+            lacking, lines, missing = 0, [], {}
+            for lacked, rows in self._rows.items():
+                hit = [f for f in fields if f in lacked]
+                if not hit:
+                    continue
+                lacking += rows
+                lines += self._lines[lacked]
+                for f in hit:
+                    missing[f] = missing.get(f, 0) + rows
+            out[name] = {"required": list(fields), "fits": lacking == 0, "lacking_rows": lacking,
+                         "lines": sorted(lines)[:self.keep], "missing": missing}
+        return out
 
 
 def describe_fit(fit: dict[str, dict]) -> str:
