@@ -165,7 +165,15 @@ def _check_input(value) -> str | None:
     return f"responses_create_params.input must be a string or a list of messages, got {_type_name(value)}"
 
 
+_CHECKED_PARAMS = frozenset({
+    "temperature", "top_p", "max_output_tokens", "max_tool_calls", "top_logprobs", "tools", "metadata", "reasoning",
+    "text", "model", "service_tier", "instructions", "previous_response_id", "truncation", "user",
+    "parallel_tool_calls", "store", "stream", "background", "tool_choice"})
+
+
 def check_optional_params(rcp: dict) -> str | None:
+    if rcp.keys().isdisjoint(_CHECKED_PARAMS):  # most rows: the input alone (one set test, not 20 lookups)
+        return None
     p = "responses_create_params"
     for key in ("temperature", "top_p"):
         v = rcp.get(key)
@@ -265,13 +273,17 @@ def _unstorable_char(obj) -> str | None:
     return None
 
 
+# one decoder for every line: json.loads with hooks builds a JSONDecoder per call
+_ROW_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float)
+
+
 def _parse_line(raw: bytes) -> tuple[dict | None, str, str | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return None, "", f"invalid UTF-8 at byte {e.start + 1} of the line ({e.reason})"
     try:
-        row = json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        row = _ROW_DECODER.decode(text)
     except json.JSONDecodeError as e:
         return None, "", f"not valid JSON: {e.msg} at column {e.colno} (char {e.pos})"
     except ValueError as e:  # NaN / Infinity
