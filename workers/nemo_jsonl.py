@@ -117,19 +117,23 @@ def _check_content(content, where: str) -> str | None:
         if not content:
             return f"{where}.content is an empty list"
         for j, part in enumerate(content):
-            pw = f"{where}.content[{j}]"
             if isinstance(part, str):
                 continue
             if not isinstance(part, dict):
-                return f"{pw} must be an object with a text part, got {_type_name(part)}"
+                return f"{where}.content[{j}] must be an object with a text part, got {_type_name(part)}"
             ptype = part.get("type")
             if ptype is not None and not isinstance(ptype, str):
-                return f"{pw}.type must be a string"
+                return f"{where}.content[{j}].type must be a string"
             if ptype is None or ptype in TEXT_PART_TYPES:
                 if not isinstance(part.get("text"), str):
-                    return f"{pw} is a text part without a string 'text'"
+                    return f"{where}.content[{j}] is a text part without a string 'text'"
         return None
     return f"{where}.content must be a string or a list of parts, got {_type_name(content)}"
+
+
+def _item(i: int) -> str:
+    """Where an input item is, for a message (built only for a bad row: a valid row pays no formatting)."""
+    return f"responses_create_params.input[{i}]"
 
 
 def _check_input(value) -> str | None:
@@ -141,26 +145,27 @@ def _check_input(value) -> str | None:
         if not value:
             return "responses_create_params.input is an empty list"
         for i, item in enumerate(value):
-            where = f"responses_create_params.input[{i}]"
             if not isinstance(item, dict):
-                return f"{where} must be a message object, got {_type_name(item)}"
+                return f"{_item(i)} must be a message object, got {_type_name(item)}"
             itype = item.get("type")
             if itype is not None and not isinstance(itype, str):
-                return f"{where}.type must be a string"
+                return f"{_item(i)}.type must be a string"
             if itype in NON_MESSAGE_ITEM_TYPES:
                 continue
             if itype not in (None, "message"):
-                return f"{where} has unknown type {itype!r}"
+                return f"{_item(i)} has unknown type {itype!r}"
             role = item.get("role")
             if role is None:
-                return f"{where} has no 'role'"
+                return f"{_item(i)} has no 'role'"
             if role not in MESSAGE_ROLES:
-                return f"{where}.role must be one of {'/'.join(MESSAGE_ROLES)}, got {role!r}"
+                return f"{_item(i)}.role must be one of {'/'.join(MESSAGE_ROLES)}, got {role!r}"
             if "content" not in item:
-                return f"{where} has no 'content'"
-            err = _check_content(item["content"], where)
-            if err:
-                return err
+                return f"{_item(i)} has no 'content'"
+            content = item["content"]
+            if not isinstance(content, str):
+                err = _check_content(content, _item(i))
+                if err:
+                    return err
         return None
     return f"responses_create_params.input must be a string or a list of messages, got {_type_name(value)}"
 
