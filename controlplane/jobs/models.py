@@ -304,6 +304,8 @@ class Rollout(models.Model):
     trace_id = models.CharField(max_length=32, blank=True, default="", db_default="",
                                 help_text="W3C trace id sent in the traceparent of each of its model requests")
     created_at = models.DateTimeField(default=timezone.now)
+    arrived_at = models.DateTimeField(null=True, blank=True, help_text="When its sink received it, before the "
+                                      "batch's commit (created_at): dispatch = arrived_at - wall_ms")
 
     objects = RolloutQuerySet.as_manager()
 

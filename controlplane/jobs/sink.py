@@ -103,7 +103,7 @@ class DbThread:
 # --- exactly-once batch insert ------------------------------------------------------------------
 _INSERT_FIELDS = ("job", "task_index", "rollout_index", "status", "failure_class", "error", "reward", "data",
                   *TIMING_FIELDS, "input_tokens", "output_tokens", "attempts", "weight_version", "completed_version",
-                  "spans_update", "stale", "worker", "created_at", "trace_id")
+                  "spans_update", "stale", "worker", "created_at", "trace_id", "arrived_at")
 _SQL_BATCH = 500
 
 
@@ -131,6 +131,7 @@ def _rollout_values(job_id, worker, r: RolloutResult, now):
         "spans_update": bool(r.weight_version and r.completed_version and r.completed_version != r.weight_version),
         "stale": False,
         "worker": worker[:200], "created_at": now, "trace_id": (getattr(r, "trace_id", "") or "")[:32],
+        "arrived_at": None,
     }
 
 
@@ -365,6 +366,8 @@ class DbSink:
         started = time.perf_counter()
         self.versions.tag(batch)
         rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
+        for row, r in zip(rows, batch):
+            row["arrived_at"] = self.versions.arrived_at(r)
         try:
             with transaction.atomic():
                 lock_job_for_insert(self.job_id)  # the job's ids in commit order, for the rollout stream's cursor

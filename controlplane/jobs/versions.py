@@ -13,7 +13,7 @@ numeric versions (the control plane numbers the versions it assigns 1, 2, 3...);
 from __future__ import annotations
 
 import bisect
-from datetime import timedelta
+from datetime import timedelta, timezone as dt_timezone, datetime
 import time
 
 from django.db.models import Count, Q
@@ -74,6 +74,25 @@ def job_versions(job) -> dict:
             "stale": stale}
 
 
+def _received():
+    """A row's arrival at its sink: `arrived_at` where its sink stored it, else its commit time (created_at), later
+    than the arrival by up to a flush interval: a rollout dispatched just before a pause would count as after."""
+    from django.db.models import F
+    from django.db.models.functions import Coalesce
+
+    return Coalesce(F("arrived_at"), F("created_at"))
+
+
+def _dispatched():
+    """A row's dispatch: its arrival less its wall time."""
+    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
+    from django.db.models.functions import Coalesce
+
+    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
+                             output_field=DurationField())
+    return ExpressionWrapper(_received() - wall, output_field=DateTimeField())
+
+
 def _history(endpoint_id) -> list[tuple]:
     """[(started_at, version, previous_version)] oldest first."""
     return list(WeightVersion.objects.filter(endpoint_id=endpoint_id).order_by("started_at", "id")
@@ -84,15 +103,9 @@ def tag_stored(rollouts, history: list[tuple]) -> int:
     """Give the rollouts in `rollouts` stored without a version the version in force at their dispatch
     (stored at - wall time): each update's version from its pause on, before the first the version it
     replaced ("0": the weights the server started with). Returns how many rows were tagged."""
-    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
-    from django.db.models.functions import Coalesce
-
     if not history:
         return 0
-    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
-                             output_field=DurationField())
-    qs = rollouts.filter(weight_version="").annotate(
-        dispatched_at=ExpressionWrapper(F("created_at") - wall, output_field=DateTimeField()))
+    qs = rollouts.filter(weight_version="").annotate(dispatched_at=_dispatched())
     n = qs.filter(dispatched_at__lt=history[0][0]).update(weight_version=history[0][2] or "0")
     for i, (start, version, _prev) in enumerate(history):
         q = qs.filter(dispatched_at__gte=start)
@@ -108,12 +121,12 @@ def _tag_completed(rollouts, history: list[tuple]) -> None:
     spans_update where it differs from the version at dispatch."""
     from django.db.models import F
 
-    qs = rollouts.filter(completed_version="")
-    qs.filter(created_at__lt=history[0][0]).update(completed_version=history[0][2] or "0")
+    qs = rollouts.filter(completed_version="").annotate(received=_received())
+    qs.filter(received__lt=history[0][0]).update(completed_version=history[0][2] or "0")
     for i, (start, version, _prev) in enumerate(history):
-        q = qs.filter(created_at__gte=start)
+        q = qs.filter(received__gte=start)
         if i + 1 < len(history):
-            q = q.filter(created_at__lt=history[i + 1][0])
+            q = q.filter(received__lt=history[i + 1][0])
         q.update(completed_version=version)
     (rollouts.filter(spans_update=False).exclude(weight_version="").exclude(completed_version="")
      .exclude(completed_version=F("weight_version")).update(spans_update=True))
@@ -138,23 +151,18 @@ def after_update(endpoint_id, since_id: int) -> int:
       its pause: their sink tagged them with the previous version before this one was recorded.
     The second costs what was written during the update (a range of the primary key), whatever the number of
     rollouts stored before. Returns how many rows were (re)tagged."""
-    from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Value
-    from django.db.models.functions import Coalesce
-
     history = _history(endpoint_id)
     if not history:
         return 0
     if len(history) == 1:
         return backfill(endpoint_id)
     start, version, previous = history[-1]
-    wall = ExpressionWrapper(Coalesce(F("wall_ms"), Value(0.0)) * Value(timedelta(milliseconds=1)),
-                             output_field=DurationField())
     written = (Rollout.objects.filter(pk__gt=since_id, job__endpoint_id=endpoint_id,
                                       weight_version__in=["", previous or "0"])
-               .annotate(dispatched_at=ExpressionWrapper(F("created_at") - wall, output_field=DateTimeField())))
+               .annotate(dispatched_at=_dispatched(), received=_received()))
     ids = list(written.filter(dispatched_at__gte=start).values_list("pk", flat=True))
     # dispatched before the pause, completed after it: ran across the update
-    spanning = list(written.filter(dispatched_at__lt=start, created_at__gte=start).values_list("pk", flat=True))
+    spanning = list(written.filter(dispatched_at__lt=start, received__gte=start).values_list("pk", flat=True))
     if spanning:
         Rollout.objects.filter(pk__in=spanning).update(completed_version=version, spans_update=True)
     if not ids:
@@ -176,6 +184,11 @@ class VersionTagger:
 
     def stamp(self, result) -> None:
         self._arrived[id(result)] = time.time()
+
+    def arrived_at(self, result):
+        """When the sink received `result` (stored as Rollout.arrived_at), None if it was not stamped."""
+        t = self._arrived.get(id(result))
+        return None if t is None else datetime.fromtimestamp(t, tz=dt_timezone.utc)
 
     def tag(self, batch) -> None:
         """Each rollout's version at dispatch (for servers that report none) and at completion (its arrival):

@@ -141,3 +141,39 @@ def test_a_batch_committed_after_the_first_updates_backfill_is_tagged(user, sim_
     tagger.written(batch)
     assert set(Rollout.objects.filter(job=job).values_list("weight_version", flat=True)) == {"1"}
     assert not tagger._arrived
+
+
+def test_a_row_committed_after_the_pause_but_received_before_it_keeps_the_old_version(user, sim_endpoint,
+                                                                                     math_dataset):
+    """The first update's backfill dates a row by its arrival at the sink (arrived_at), not by its batch's commit
+    (created_at, up to a flush interval later): a rollout dispatched and answered just before the pause is the
+    old version's, though its batch committed after the pause went out."""
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(4), endpoint=ep, launch=False)
+    now = timezone.now()
+    pause = now - timedelta(seconds=5)
+    common = dict(job=job, rollout_index=0, status="ok", data={}, wall_ms=100, created_at=pause + timedelta(seconds=1))
+    Rollout.objects.create(task_index=0, arrived_at=pause - timedelta(seconds=0.2), **common)  # answered before
+    Rollout.objects.create(task_index=1, arrived_at=pause + timedelta(seconds=0.5), **common)  # dispatched after
+    Rollout.objects.create(task_index=2, **common)  # stored by an older sink: dated by its commit, as before
+    WeightVersion.objects.create(endpoint=ep, version="1", previous_version="", trace_id="t1", started_at=pause,
+                                 applied_at=now)
+    after_update(ep.pk, 0)
+    got = {t: (v, c, s) for t, v, c, s in Rollout.objects.filter(job=job).values_list(
+        "task_index", "weight_version", "completed_version", "spans_update")}
+    assert got == {0: ("0", "0", False), 1: ("1", "1", False), 2: ("1", "1", False)}
+
+
+def test_the_sink_stores_when_each_rollout_arrived(user, sim_endpoint, math_dataset):
+    from controlplane.jobs.sink import DbSink
+
+    ep = sim_endpoint("http://127.0.0.1:9", owner=user)
+    job = services.create_job(owner=user, dataset=math_dataset(2), endpoint=ep, launch=False)
+    sink = DbSink(job=job, chunk=job.chunks.get(), lease_owner="w#1", worker_name="w", db=None, channel_layer=False)
+    r = RolloutResult(task_index=0, rollout_index=0, ok=True, output_row={}, reward=1.0, wall_ms=5)
+    before = timezone.now()
+    sink.versions.stamp(r)
+    arrived = sink.versions.arrived_at(r)
+    sink._write_batch([r])
+    row = Rollout.objects.get(job=job)
+    assert before <= row.arrived_at == arrived <= row.created_at
