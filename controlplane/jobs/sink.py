@@ -118,7 +118,7 @@ def _strip_nul(value):
     return value
 
 
-def _rollout_values(job_id, worker, r: RolloutResult, now):
+def _rollout_values(job_id, worker, r: RolloutResult, now, arrived_at=None):
     return {
         "job": job_id, "task_index": r.task_index, "rollout_index": r.rollout_index,
         "status": Rollout.Status.OK if r.ok else Rollout.Status.FAILED,
@@ -131,7 +131,7 @@ def _rollout_values(job_id, worker, r: RolloutResult, now):
         "spans_update": bool(r.weight_version and r.completed_version and r.completed_version != r.weight_version),
         "stale": False,
         "worker": worker[:200], "created_at": now, "trace_id": (getattr(r, "trace_id", "") or "")[:32],
-        "arrived_at": None,
+        "arrived_at": arrived_at,
     }
 
 
@@ -365,9 +365,8 @@ class DbSink:
         now = timezone.now()
         started = time.perf_counter()
         self.versions.tag(batch)
-        rows = [_rollout_values(self.job_id, self.worker_name, r, now) for r in batch]
-        for row, r in zip(rows, batch):
-            row["arrived_at"] = self.versions.arrived_at(r)
+        arrived_at = self.versions.arrived_at
+        rows = [_rollout_values(self.job_id, self.worker_name, r, now, arrived_at(r)) for r in batch]
         try:
             with transaction.atomic():
                 lock_job_for_insert(self.job_id)  # the job's ids in commit order, for the rollout stream's cursor

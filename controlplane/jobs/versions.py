@@ -101,7 +101,7 @@ def _history(endpoint_id) -> list[tuple]:
 
 def tag_stored(rollouts, history: list[tuple]) -> int:
     """Give the rollouts in `rollouts` stored without a version the version in force at their dispatch
-    (stored at - wall time): each update's version from its pause on, before the first the version it
+    (arrival at the sink - wall time, _dispatched): each update's version from its pause on, before the first the version it
     replaced ("0": the weights the server started with). Returns how many rows were tagged."""
     if not history:
         return 0
