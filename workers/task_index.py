@@ -12,9 +12,10 @@ NeMo Gym (`RolloutCollectionHelper._preprocess_rows_from_config`):
 So each stored row keeps (task index, occurrence); its rollouts are occurrence*R .. occurrence*R + R-1, and
 (task, rollout) stays unique per job without refusing any line NeMo Gym accepts.
 
-Dataset ingest stores each line's digest and numbers the rows in the database afterwards
-(controlplane.datasets.services.number_tasks), in constant memory. `TaskIndexer` does the same in memory for
-the standalone engine CLI (one 16-byte digest per distinct line, ~4 bytes per task index for the counts).
+`TaskIndexer` numbers rows in memory (one 16-byte digest per distinct line, ~4 bytes per task index for the
+counts): the standalone engine CLI, and dataset ingest up to a bound of rows. Ingest stores each line's digest,
+and a file longer than the bound is numbered in the database afterwards
+(controlplane.datasets.services.number_tasks), in constant memory.
 """
 from __future__ import annotations
 
@@ -57,9 +58,16 @@ class TaskIndexer:
     def assign(self, row: dict, line: str | bytes) -> tuple[int, int]:
         """(task index, occurrence) of the next row; `line` is its JSON text as read from the file."""
         if "_ng_task_index" in row:
-            index = row["_ng_task_index"]
-        else:
-            index = self._line_index.setdefault(line_digest(line), len(self._line_index))
+            return self.assign_own(row["_ng_task_index"])
+        return self.assign_line(line_digest(line))
+
+    def assign_own(self, index: int) -> tuple[int, int]:
+        """The next row carries its own task index."""
+        return index, self._counts.bump(index)
+
+    def assign_line(self, digest: bytes) -> tuple[int, int]:
+        """The next row has none: numbered by its line (`digest`: line_digest of its text)."""
+        index = self._line_index.setdefault(digest, len(self._line_index))
         return index, self._counts.bump(index)
 
 

@@ -241,18 +241,27 @@ def _ingest_peak(path, name):
 
 
 @pytest.mark.slow
-def test_streaming_ingest_memory_is_bounded(tmp_path):
-    """Peak Python allocation while ingesting 10k rows vs 100k rows: flat (batches of 1000)."""
+def test_streaming_ingest_memory_is_bounded(tmp_path, monkeypatch):
+    """Peak Python allocation while ingesting 10k rows vs 100k rows: flat (batches of 1000) once both files are
+    past the bound of rows numbered in memory; below it, the numbering's memory grows by at most ~130 bytes a
+    row (its line digests)."""
+    from controlplane.datasets.services import _RowWriter
+
     small = _gen_file(tmp_path / "small.jsonl", 10_000)
     big = _gen_file(tmp_path / "big.jsonl", 100_000)
+    bound = _RowWriter.NUMBER_IN_MEMORY_MAX_ROWS
+    ds_d, peak_d = _ingest_peak(big, "big, default bound")
+    monkeypatch.setattr(_RowWriter, "NUMBER_IN_MEMORY_MAX_ROWS", 5_000)
     ds_s, peak_s = _ingest_peak(small, "small")
     ds_b, peak_b = _ingest_peak(big, "big")
     size_b = os.path.getsize(big)
-    print(f"\ningest peak: 10k rows {peak_s / 2**20:.1f} MiB; 100k rows ({size_b / 2**20:.1f} MiB file) {peak_b / 2**20:.1f} MiB")
-    assert ds_b.row_count == 100_000 and ds_s.row_count == 10_000
+    print(f"\ningest peak: 10k rows {peak_s / 2**20:.1f} MiB; 100k rows ({size_b / 2**20:.1f} MiB file) {peak_b / 2**20:.1f} "
+          f"MiB, numbered in memory {peak_d / 2**20:.1f} MiB")
+    assert ds_b.row_count == ds_d.row_count == 100_000 and ds_s.row_count == 10_000
     assert ds_b.sha256 == file_sha256(big)[0]
     assert peak_b < 1.5 * peak_s + 2 * 2**20, (peak_s, peak_b)
     assert peak_b < size_b / 2
+    assert peak_d - peak_b < 160 * min(bound, 100_000), (peak_b, peak_d)  # at most ~16 MB
 
 
 def test_a_csv_or_json_array_upload_is_named_as_such(tmp_path):

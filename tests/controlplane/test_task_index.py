@@ -49,6 +49,35 @@ def test_identical_lines_share_a_task_index_and_continue_its_rollouts():
     assert len(set(NEMO_GYM_PAIRS)) == 12
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("case", ["distinct", "own index", "repeat", "repeat past the bound"])
+def test_ingest_numbers_rows_as_they_stream_and_in_the_database_past_a_bound(monkeypatch, case):
+    """Rows are numbered as the file streams (TaskIndexer), with no pass over the stored rows; a file longer than
+    the in-memory bound is numbered by number_tasks in the database. Either way the stored numbers are the ones
+    NeMo Gym's rules give."""
+    from controlplane.datasets import services as ds_services
+    from workers.task_index import TaskIndexer
+
+    lines = [json.dumps(_row(f"q{i}")) for i in range(12)]
+    if case == "own index":
+        lines[5] = json.dumps(_row("q5", _ng_task_index=3))
+    elif case.startswith("repeat"):
+        lines[9] = lines[2]
+    if case == "repeat past the bound":
+        monkeypatch.setattr(ds_services._RowWriter, "NUMBER_IN_MEMORY_MAX_ROWS", 4)  # rows 4.. get placeholders
+    passes = []
+    real = ds_services.number_tasks
+    monkeypatch.setattr(ds_services, "number_tasks", lambda d: (passes.append(d.pk), real(d)))
+    ds = ingest_jsonl(io.BytesIO(("\n".join(lines) + "\n").encode()), name=case)
+    indexer = TaskIndexer()
+    want = [indexer.assign(json.loads(line), line) for line in lines]
+    stored = list(DatasetRow.objects.filter(dataset=ds).order_by("index").values_list("task_index", "occurrence"))
+    assert stored == want
+    assert passes == ([ds.pk] if case == "repeat past the bound" else [])
+    if case != "distinct":
+        assert want != [(i, 0) for i in range(12)]  # the numbers are not the rows' positions
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_job_on_identical_lines_stores_nemo_gyms_pairs_once(simulator, sim_endpoint):
