@@ -12,6 +12,7 @@ for blank lines, BOM, line endings and the bad-line report are there) and bulk-i
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterator
 
@@ -54,6 +55,24 @@ def iter_task_rows(dataset, start: int = 0, end: int | None = None,
         if task_index is None:
             task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
         yield task_index, occurrence, data
+
+
+def iter_task_row_texts(dataset, start: int = 0, end: int | None = None,
+                        chunk_size: int = 1000) -> Iterator[tuple[int, int, str]]:
+    """As iter_task_rows, each row as the JSON text the database holds (SQLite: the file's line as validated;
+    PostgreSQL: jsonb's rendering), not decoded."""
+    qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
+    if end is not None:
+        qs = qs.filter(index__lt=end)
+    rows = (qs.order_by("index").annotate(text=Cast("data", TextField()))
+            .values_list("index", "text", "task_index", "occurrence"))
+    if end is None or end - start > chunk_size:
+        rows = rows.iterator(chunk_size=chunk_size)
+    for index, text, task_index, occurrence in rows:
+        if task_index is None:  # a row stored before the numbers were kept
+            data = json.loads(text)
+            task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
+        yield task_index, occurrence, text
 
 
 def iter_task_rows_at(dataset, indices: list[int]) -> Iterator[tuple[int, int, dict]]:
