@@ -299,9 +299,9 @@ def test_interrupt_then_rerun_resumes_exactly_once(simulator_factory, tmp_path, 
         assert job.state == JobState.RUNNING  # left behind by the dead process; its lease expires
 
     with open(tmp_path / "run2.log", "w") as log:
-        # SIGKILL: the rerun judges the dead run's heartbeat stale after 10 s, longer than its own start-up (even on a
-        # loaded machine), so it surely waits for that lease
-        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="10" if sig == signal.SIGKILL else "2")
+        # SIGKILL: the rerun judges the dead run's heartbeat stale after 20 s, longer than its own start-up (even on a
+        # machine loaded by the whole suite, where 10 s was once not), so it surely waits for that lease
+        p2 = _start_cli(args, log, JOBS_LEASE_TIMEOUT_S="20" if sig == signal.SIGKILL else "2")
         rc2 = p2.wait(timeout=240)
     log2 = (tmp_path / "run2.log").read_text()
     assert rc2 == 0, log2

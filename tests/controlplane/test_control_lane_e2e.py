@@ -104,7 +104,8 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     assert sim.get_json("/weight_version")["weight_version"] == 6
 
     # a burst: four updates, then a health check. The updates wait for each other without holding a control slot,
-    # so the health check starts at once, before the third update
+    # so the health check starts at once: before the second of the updates still waiting when it was asked (the
+    # third of the burst when the posts come quickly; under load the first updates may be done by then)
     burst = [api.post(url, {"checkpoint_id": f"burst-{i}"}, format="json").json()["id"] for i in range(4)]
     health = api.post(f"/api/endpoints/{ep.pk}/ops/health/", {}, format="json").json()["id"]
     wait_for(lambda: not AdminAction.objects.filter(pk__in=[*burst, health]).exclude(
@@ -114,7 +115,10 @@ def test_updates_skip_the_busy_chunks_run_in_order_and_carry_the_trainers_trace(
     assert [a.state for a in b] == ["succeeded"] * 4 and h.state == "succeeded"
     assert [a.result["version"] for a in b] == ["7", "8", "9", "10"]
     assert all(later.started_at >= earlier.finished_at for earlier, later in zip(b, b[1:]))
-    assert h.started_at < b[2].started_at, (h.dispatch_ms, [a.dispatch_ms for a in b])
+    waiting = [a for a in b if a.started_at > h.created_at]
+    if len(waiting) >= 2:
+        assert h.started_at < waiting[1].started_at, (h.dispatch_ms, [a.dispatch_ms for a in b])
+    assert h.dispatch_ms < 1000, h.dispatch_ms
 
     # a stale version is refused: 409, code stale_version, nothing queued
     n = AdminAction.objects.count()
