@@ -291,6 +291,15 @@ function initJobPage() {
 
   const apply = (snap, { chart = true } = {}) => {
     if (snap.job_id !== undefined && String(snap.job_id) !== String(root.dataset.job)) return;
+    if (typeof snap.t === "number" && snap.t < lastT) {
+      // built before what is shown (a catch-up's answer overtaken by a live message): showing it would take
+      // the figures back in time; keep only what the database alone knows (elapsed, average rate)
+      if ("elapsed_s" in snap && snapshot.state === snap.state) {
+        takeElapsed(snap);
+        snapshot = { ...snapshot, elapsed_s: snap.elapsed_s, avg_samples_per_s: snap.avg_samples_per_s };
+      }
+      return;
+    }
     const stateChanged = snap.state !== snapshot.state;
     const merged = { ...snap };
     if (!("elapsed_s" in merged)) { merged.elapsed_s = snapshot.elapsed_s; merged.avg_samples_per_s = snapshot.avg_samples_per_s; }
