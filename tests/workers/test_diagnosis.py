@@ -210,3 +210,16 @@ def test_slots_left_empty_while_rollouts_wait_on_the_verifier_count_for_verifica
     ev = shares(base(slot_utilization=0.45, in_flight_mean=14.4), 100, 200, 2, 400)
     item = next(i for i in diagnose(ev).evidence_items if i.name == "slot_utilization_low")
     assert item.holds and item.supports == CONTROL_PLANE
+
+
+def test_series_whose_ticks_drift_across_seconds_still_add_up():
+    """On a loaded worker a run ticks every 1.3 s, not every second: its ticks skip whole seconds. Three chunks at a
+    third of 8 each still make 8 in every second they all ran, not fewer in the seconds one of them skipped."""
+    ticks = []
+    for k, offset in enumerate((0.0, 0.45, 0.9)):
+        ticks += [dict(_tick(1.3 * (i + 1), 10 * (i + 1), in_flight=8 / 3, parallelism=8 / 3),
+                       worker=f"w chunk {k}", t=1000.0 + offset + 1.3 * (i + 1)) for i in range(12)]
+    ev = build_evidence(ticks, config={"parallelism": 8})
+    # only the first and last second of the stretch miss a chunk that had not yet started or had stopped
+    assert 7.3 < ev.parallelism <= 8.0 + 1e-9, ev.parallelism
+    assert ev.in_flight_mean == pytest.approx(ev.parallelism)

@@ -24,6 +24,7 @@ from typing import Iterable
 from workers.engine.types import TIMING_FIELDS
 
 REQUEST_ERROR_CLASSES = ("http_429", "http_5xx", "http_4xx", "timeout", "connection", "bad_response")
+TICK_SPAN_MAX_S = 5.0  # the most seconds one tick speaks for (a stalled run's next tick does not fill its gap)
 
 
 @dataclass
@@ -226,7 +227,11 @@ def build_evidence(ticks: list[dict], config: dict | None = None, rollout_stats:
                 if stamp is not None:
                     spans.append((stamp - dt, stamp))
                 if stamp is not None and (t.get("in_flight") or 0) > 0:  # a finished run holds no slots
-                    active_by_second.setdefault(int(stamp), {})[gid] = (t.get("in_flight") or 0, t.get("parallelism") or 0)
+                    # a tick tells of the seconds since its run's previous one: a run whose ticks drift past a
+                    # second boundary (a loaded worker) still counts in the second it skipped
+                    for second in range(int(stamp - min(dt, TICK_SPAN_MAX_S)) + 1, int(stamp) + 1):
+                        active_by_second.setdefault(second, {})[gid] = (t.get("in_flight") or 0,
+                                                                        t.get("parallelism") or 0)
             prev_ok, prev_done, prev_elapsed = completed, completed + failed, elapsed
         if active_time > 0:
             throughput += ok_total / active_time
