@@ -286,15 +286,16 @@ function initJobPage() {
   const catchUp = async (withSeries) => {
     const st = await fetchJSON(init.state_url + (withSeries ? "?series=1" : ""));
     if (withSeries && st.series && charts) charts.load(st.series);
-    apply(st.snapshot, { chart: false });
+    apply(st.snapshot, { chart: false, answer: true });
   };
 
-  const apply = (snap, { chart = true } = {}) => {
+  const apply = (snap, { chart = true, answer = false } = {}) => {
     if (snap.job_id !== undefined && String(snap.job_id) !== String(root.dataset.job)) return;
-    if (typeof snap.t === "number" && snap.t < lastT) {
-      // built before what is shown (a catch-up's answer overtaken by a live message): showing it would take
-      // the figures back in time; keep only what the database alone knows (elapsed, average rate)
-      if ("elapsed_s" in snap && snapshot.state === snap.state) {
+    if (answer && typeof snap.t === "number" && snap.t < lastT && snap.state === snapshot.state) {
+      // an answer built before what is shown (overtaken by a live message): showing it would take the figures
+      // back in time; keep only what the database alone knows (elapsed, average rate). A state it tells differs
+      // is applied (its own catch-up follows), as live messages always are (another host's clock may run ahead).
+      if ("elapsed_s" in snap) {
         takeElapsed(snap);
         snapshot = { ...snapshot, elapsed_s: snap.elapsed_s, avg_samples_per_s: snap.avg_samples_per_s };
       }
