@@ -41,38 +41,38 @@ def iter_rows(dataset, start: int = 0, end: int | None = None, chunk_size: int =
     yield from qs.order_by("index").values_list("index", "data").iterator(chunk_size=chunk_size)
 
 
+def _task_row_values(dataset, start: int, end: int | None, chunk_size: int, data_field="data"):
+    """(index, data_field, task index, occurrence) of the rows in [start, end), in order."""
+    qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
+    if end is not None:
+        qs = qs.filter(index__lt=end)
+    if data_field != "data":
+        qs = qs.annotate(**{data_field: Cast("data", TextField())})
+    rows = qs.order_by("index").values_list("index", data_field, "task_index", "occurrence")
+    if end is None or end - start > chunk_size:  # a server-side cursor only where the range may be large: for a
+        rows = rows.iterator(chunk_size=chunk_size)  # page (ChunkTasks) it cost a DECLARE/FETCH/CLOSE each
+    return rows
+
+
+def _own_task_index(data, index: int) -> int:
+    """A row stored before the numbers were kept: its `_ng_task_index`, else its position."""
+    return data.get("_ng_task_index", index) if isinstance(data, dict) else index
+
+
 def iter_task_rows(dataset, start: int = 0, end: int | None = None,
                    chunk_size: int = 1000) -> Iterator[tuple[int, int, dict]]:
     """Yield (task index, occurrence, row) for dataset rows in [start, end), in order, as NeMo Gym numbers
     them (workers/task_index.py); rows stored before that was kept: `_ng_task_index` or the position, 0."""
-    qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
-    if end is not None:
-        qs = qs.filter(index__lt=end)
-    rows = qs.order_by("index").values_list("index", "data", "task_index", "occurrence")
-    if end is None or end - start > chunk_size:  # a server-side cursor only where the range may be large: for a
-        rows = rows.iterator(chunk_size=chunk_size)  # page (ChunkTasks) it cost a DECLARE/FETCH/CLOSE each
-    for index, data, task_index, occurrence in rows:
-        if task_index is None:
-            task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
-        yield task_index, occurrence, data
+    for index, data, task_index, occurrence in _task_row_values(dataset, start, end, chunk_size):
+        yield (_own_task_index(data, index) if task_index is None else task_index), occurrence, data
 
 
 def iter_task_row_texts(dataset, start: int = 0, end: int | None = None,
                         chunk_size: int = 1000) -> Iterator[tuple[int, int, str]]:
     """As iter_task_rows, each row as the JSON text the database holds (SQLite: the file's line as validated;
     PostgreSQL: jsonb's rendering), not decoded."""
-    qs = DatasetRow.objects.filter(dataset=dataset, index__gte=start)
-    if end is not None:
-        qs = qs.filter(index__lt=end)
-    rows = (qs.order_by("index").annotate(text=Cast("data", TextField()))
-            .values_list("index", "text", "task_index", "occurrence"))
-    if end is None or end - start > chunk_size:
-        rows = rows.iterator(chunk_size=chunk_size)
-    for index, text, task_index, occurrence in rows:
-        if task_index is None:  # a row stored before the numbers were kept
-            data = json.loads(text)
-            task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
-        yield task_index, occurrence, text
+    for index, text, task_index, occurrence in _task_row_values(dataset, start, end, chunk_size, "text"):
+        yield (_own_task_index(json.loads(text), index) if task_index is None else task_index), occurrence, text
 
 
 def iter_task_rows_at(dataset, indices: list[int]) -> Iterator[tuple[int, int, dict]]:
@@ -83,9 +83,7 @@ def iter_task_rows_at(dataset, indices: list[int]) -> Iterator[tuple[int, int, d
     for index in indices:
         if index in by_index:
             task_index, occurrence, data = by_index[index]
-            if task_index is None:
-                task_index = data.get("_ng_task_index", index) if isinstance(data, dict) else index
-            yield task_index, occurrence, data
+            yield (_own_task_index(data, index) if task_index is None else task_index), occurrence, data
 
 
 # ------------------------------------------------------------------------------------------------
