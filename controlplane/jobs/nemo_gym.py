@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -91,20 +92,48 @@ def materialized_path(output_path: str | os.PathLike) -> Path:
     return p.with_name(p.stem + "_materialized_inputs.jsonl")
 
 
+# a row whose first key is its responses_create_params (NeMo Gym's files and ours): where that object ends is found
+# by decoding it alone
+_PARAMS_FIRST = re.compile(r'\{\s*"responses_create_params"\s*:\s*')
+_scan_value = json.JSONDecoder().scan_once
+
+
+def _with_overrides(text: str, added: str, keys) -> str | None:
+    """The row's text with the job's overrides (`added`: ', "key": value' each) spliced into the end of its
+    responses_create_params, or None where that is not exact (the object elsewhere or named twice, or already
+    holding an override's key: deep-merged then, by decoding)."""
+    m = _PARAMS_FIRST.match(text)
+    if m is None or text.count('"responses_create_params"') != 1:
+        return None
+    try:
+        params, end = _scan_value(text, m.end())
+    except (StopIteration, ValueError):
+        return None
+    if not isinstance(params, dict) or not keys.isdisjoint(params):
+        return None
+    inner = text[:end - 1].rstrip()
+    return f"{inner}{added[2:] if inner.endswith('{') else added}{text[end - 1:]}"
+
+
 def _lines_from_texts(rows, repeats: int, agent_name: str | None, overrides: dict, add_seed: bool) -> Iterator[str]:
     """The materialized lines of a model endpoint's job from the rows' stored JSON texts. Where the bodies are the
     rows themselves plus the indices (and the agent a row names none of), those are spliced in before the
-    closing brace: decoding and encoding every row through the ORM cost ~0.5 s of a 30,000-row file's start,
-    before its first request. Otherwise (overrides, seeds, or a row whose text names an index or an agent) the
-    text is decoded and the body dumped."""
+    closing brace, and the job's overrides at the end of the row's responses_create_params: decoding and encoding
+    every row through the ORM cost ~0.5 s of a 30,000-row file's start, before its first request. Otherwise
+    (seeds, an override's key already in the row, a row whose text names an index or an agent) the text is
+    decoded and the body dumped."""
     agent = f', "{AGENT_REF}": {json.dumps({"name": agent_name}, ensure_ascii=False)}' if agent_name else ""
-    may_splice = not overrides and not add_seed
+    added = "".join(f", {json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+                    for k, v in overrides.items())
+    keys = overrides.keys()
     for task_index, occurrence, text in rows:
         text = text.strip()
-        head = text[:-1].rstrip()
-        plain = (may_splice and text[:1] == "{" and text[-1:] == "}" and not head.endswith("{")
+        spliced = None if add_seed else (_with_overrides(text, added, keys) if overrides else text)
+        plain = (spliced is not None and spliced[:1] == "{" and spliced[-1:] == "}"
+                 and not spliced[:-1].rstrip().endswith("{")
                  and '"_ng_task_index"' not in text and '"_ng_rollout_index"' not in text
                  and not (agent and f'"{AGENT_REF}"' in text))
+        head = spliced[:-1].rstrip() if plain else ""
         row = None
         for rollout_index in rollout_indices(occurrence, repeats):
             if plain:
