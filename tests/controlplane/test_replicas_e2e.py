@@ -185,7 +185,9 @@ def test_replica_that_dies_mid_job_and_comes_back_gets_traffic_again(user, math_
         print(f"\nb died after {state['killed_at_rows']} rows; served {served_again} after coming back; a served {_served(a)}")
         data = _api(user).get(f"/api/endpoints/{ep.pk}/replicas/").json()
         by = {r["url"]: r for r in data["replicas"]}
-        assert by[b.url]["state"] == "in" and by[b.url]["times_out"] >= 2 and data["in_rotation"] == 2
+        # "in", or "idle" once the finished runs' last ticks are older than RUN_FRESH_S (a loaded machine takes
+        # that long to get here): the final tables above say every run had it back in rotation
+        assert by[b.url]["state"] in ("in", "idle") and by[b.url]["times_out"] >= 2 and data["in_rotation"] == 2, by
     finally:
         if "b2" in state:
             state["b2"].stop()
