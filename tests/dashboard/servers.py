@@ -13,6 +13,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 from tests.lanes import serve_control
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,6 +139,15 @@ def log_in(page, username: str, password: str) -> None:
     page.fill("#id_password", password)
     page.click("#login-submit")
     page.wait_for_load_state()
+
+
+def prepare_browser(monkeypatch) -> None:
+    """Before a browser test: skip without Debian's Chromium, let the ORM run in this thread beside Playwright's
+    sync API (which runs an event loop here), and build the pages' JS when it is missing."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    ensure_frontend()
 
 
 def ensure_frontend():

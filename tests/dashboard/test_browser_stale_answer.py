@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from channels.layers import get_channel_layer
@@ -21,10 +20,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def web(transactional_db, monkeypatch):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
 
     # the same Redis (and channel prefix) as this process: its messages reach the server's sockets

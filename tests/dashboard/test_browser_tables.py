@@ -5,7 +5,6 @@ and each rollout's last user message and start of answer. Screenshots go to test
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -23,10 +22,7 @@ REDIS_DB = int(os.environ.get("DASHBOARD_TEST_REDIS_DB", "11"))
 
 @pytest.fixture
 def finished_job_site(transactional_db, monkeypatch):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
 
     user = make_user("dora", "dora-pw-123")
