@@ -201,6 +201,8 @@ def _check(key: Key, value, verifiers) -> Any:
         return value
     if key.kind == "choice":
         choices = verifiers if n == "verifier" else key.choices
+        if value is None and "none" in choices:  # +verifier=none reads as null (as +limit=none does): the choice
+            return "none"
         if n == "verifier" and isinstance(value, str) and value not in choices:  # an entry point or dotted path
             from workers.verifiers import get_verifier
 

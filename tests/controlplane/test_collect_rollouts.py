@@ -52,6 +52,12 @@ def test_parse_nested_and_json_values():
     assert cfg["limit"] is not None and parse_overrides(BASE + ["+limit=null"])["limit"] is None
 
 
+@pytest.mark.parametrize("text", ["none", "None", "null"])
+def test_verifier_none_is_the_choice_not_null(text):
+    """`none` is a listed verifier; the values parser reads it as null, which must still name that verifier."""
+    assert parse_overrides(BASE + [f"+verifier={text}"])["verifier"] == "none"
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["+limt=5"], "unknown key +limt (did you mean +limit?)"),
     (["+limit=abc"], "+limit must be an integer"),
