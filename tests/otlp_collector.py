@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -39,6 +40,14 @@ class Collector:
     def by_name(self, name: str) -> list[Span]:
         with self.lock:
             return [s for s in self.spans if s.name == name]
+
+    def wait_for(self, name: str, count: int = 1, timeout_s: float = 30.0) -> list[Span]:
+        """The spans named `name` once `count` of them have arrived (the exporter process sends on its own time:
+        a run's end only hands its spans over); what arrived by the deadline otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while len(found := self.by_name(name)) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
 
     def decode_kept(self) -> None:
         """Decode the bodies kept (decode="later") into `spans`."""

@@ -21,8 +21,10 @@ Shape of the spans
 
 Modes: "off"; "spans" (spans made, never exported: what tracing costs without an exporter); "otlp" (batched
 export to `endpoint`, an OTLP/HTTP traces URL such as http://collector:4318/v1/traces, by the exporter process;
-flushed at the run's end, bounded). A full queue to the exporter process drops spans and counts them: logged,
-and on the chunk span as `tracing.dropped_spans`; collection never waits on the exporter.
+the run's end waits, bounded, until its spans are in the exporter process's pipe, never for the collector: the
+process exports them on its own, also after the worker has exited). A full queue to the exporter process drops
+spans and counts them: logged, and on the chunk span as `tracing.dropped_spans`; collection never waits on the
+exporter, nor on a slow or dead collector.
 The endpoint is the deployment's (a setting), never a user's.
 """
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("off", "spans", "otlp")
-FLUSH_TIMEOUT_MS = 5000
+HANDOVER_TIMEOUT_S = 5.0  # the most a run's end waits for the pipe to the exporter process to take its spans
 BATCH_SPANS = 1024  # span tuples of finished rollouts handed to the exporter process at once (or every second)
 
 log = logging.getLogger(__name__)
@@ -240,7 +242,7 @@ class RunTracer:
 
     # ------------------------------------------------------------------ the run
     def close(self, summary=None) -> None:
-        """End what is still open and the chunk span, then flush the exporter process (bounded)."""
+        """End what is still open and the chunk span, and hand them to the exporter process (bounded wait)."""
         for key in list(self._rollouts):
             rec = self._rollouts.pop(key, None)
             if rec is not None:
@@ -282,8 +284,8 @@ class RunTracer:
             )
         )
         self._send()
-        if self._exporter is not None and self._exporter.flush(FLUSH_TIMEOUT_MS / 1000) is None:
-            log.warning("tracing: the exporter process did not confirm its flush within %d ms", FLUSH_TIMEOUT_MS)
+        if self._exporter is not None and not self._exporter.handed(HANDOVER_TIMEOUT_S):
+            log.warning("tracing: the exporter process did not take this run's spans within %g s", HANDOVER_TIMEOUT_S)
 
 
 def run_tracer(config: TraceConfig | None) -> RunTracer | None:
@@ -297,7 +299,7 @@ def export_job_span(
     config: TraceConfig, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None, error: str = ""
 ) -> bool:
     """Export the job's own span (ids from job_span_ids(config.job_key)), parent of its chunks' spans, through the
-    exporter process, and wait (bounded) until it is sent."""
+    exporter process: True once the process has it (it sends it on its own time)."""
     if config.mode != "otlp" or not config.enabled or not config.job_key:
         return False
     from workers.tracing_export import exporter
@@ -320,4 +322,4 @@ def export_job_span(
             )
         ]
     )
-    return sent and exp.flush(FLUSH_TIMEOUT_MS / 1000) is not None
+    return sent and exp.handed(HANDOVER_TIMEOUT_S)

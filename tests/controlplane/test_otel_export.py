@@ -38,9 +38,10 @@ def test_spans_of_a_real_run_reach_an_otlp_collector(simulator_factory, tmp_path
             Rollout.objects.filter(job=job).values_list("trace_id", "task_index", "rollout_index", "attempts")}
     assert len(rows) == 20
 
-    # the chunk: a child of the job's span (ids derived from the job), flushed at the run's end
+    # the chunk: a child of the job's span (ids derived from the job), handed over last at the run's end: once it
+    # has arrived, so has every span before it (one exporter process, sending in order)
     job_trace, job_span = job_span_ids(job_trace_key(job))
-    chunks = collector.by_name("chunk")
+    chunks = collector.wait_for("chunk")
     assert len(chunks) == 1 and (chunks[0].trace_id, chunks[0].parent_span_id) == (job_trace, job_span)
     assert chunks[0].attributes["job.id"] == job.pk and chunks[0].attributes["run.completed"] == 20
     assert chunks[0].service == "rollout-control-plane"
@@ -72,7 +73,7 @@ def test_spans_of_a_real_run_reach_an_otlp_collector(simulator_factory, tmp_path
 
     assert not collector.by_name("job")
     assert export_job_task(job.pk)["job_span"] is True
-    (job_span_seen,) = collector.by_name("job")
+    (job_span_seen,) = collector.wait_for("job")
     assert (job_span_seen.trace_id, job_span_seen.span_id, job_span_seen.parent_span_id) == (job_trace, job_span, "")
     assert job_span_seen.attributes["job.completed"] == 20 and job_span_seen.attributes["job.state"] == "completed"
     assert job_span_seen.start_ns <= chunks[0].start_ns and chunks[0].end_ns <= job_span_seen.end_ns + 10**9

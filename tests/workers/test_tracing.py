@@ -1,5 +1,5 @@
 """workers/tracing.py without the control plane: off, a run never loads OpenTelemetry; on, a dead OTLP endpoint
-costs the run at most the bounded flush at its end, never its rollouts."""
+costs the run nothing it can see: its end waits only until its spans are in the exporter process's pipe."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from workers.diagnosis.scenarios import rows_math, task_items
 from workers.engine.runner import run_collection_sync
 from workers.engine.types import CollectionSpec, EndpointSpec
-from workers.tracing import FLUSH_TIMEOUT_MS, TraceConfig, run_tracer, sampled
+from workers.tracing import TraceConfig, run_tracer, sampled
 
 
 class Sink:
@@ -51,16 +51,22 @@ def test_off_never_imports_opentelemetry(simulator):
 
 
 @pytest.mark.slow
-def test_a_dead_collector_costs_at_most_the_final_flush(simulator):
-    sink = Sink()
-    spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[simulator.url], model=simulator.model), parallelism=8,
-                          verifier="none", tracing=TraceConfig(mode="otlp", endpoint="http://127.0.0.1:9/v1/traces",
-                                                               job_key="dead"))
-    t0 = time.monotonic()
-    summary = run_collection_sync(spec, task_items(rows_math(200)), sink)
-    took = time.monotonic() - t0
+def test_a_dead_collector_costs_the_run_nothing(simulator):
+    """Connection refused at the collector (the exporter process retrying with backoff): the run ends as soon as
+    without tracing, give or take; it waited out a 5 s flush before."""
+
+    def run(tracing):
+        sink = Sink()
+        spec = CollectionSpec(endpoint=EndpointSpec(base_urls=[simulator.url], model=simulator.model), parallelism=8,
+                              verifier="none", tracing=tracing)
+        t0 = time.monotonic()
+        summary = run_collection_sync(spec, task_items(rows_math(200)), sink)
+        return summary, time.monotonic() - t0
+
+    _, off = run(None)
+    summary, dead = run(TraceConfig(mode="otlp", endpoint="http://127.0.0.1:9/v1/traces", job_key="dead"))
     assert summary.completed == 200 and not summary.fatal_error
-    assert took < FLUSH_TIMEOUT_MS / 1000 + 10
+    assert dead < off + 3.0, (off, dead)
 
 
 def test_sampling_is_by_trace_id():

@@ -95,3 +95,28 @@ def test_spans_still_queued_are_flushed_when_the_worker_exits(collector):
     )
     assert out.returncode == 0, out.stderr
     assert len(collector.by_name("late")) == 300
+
+
+@pytest.mark.slow
+def test_spans_handed_over_arrive_after_the_worker_leaves_without_teardown(collector):
+    """The drop-in ends with os._exit (no atexit): what `handed` confirmed is in the exporter process's pipe, which
+    exports it after the worker is gone."""
+    code = textwrap.dedent(f"""
+        import os, time
+        from workers.tracing_export import exporter
+        exp = exporter({collector.url!r}, {{}}, "svc")
+        now = time.time_ns()
+        for b in range(6):
+            assert exp.send([("gone", 5, b * 100 + i + 1, 0, 0, now, now, {{"pad": "x" * 200}}, "", ()) for i in range(100)])
+        assert exp.handed(10)
+        os._exit(0)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(collector.wait_for("gone", 600)) == 600
