@@ -150,6 +150,9 @@ def prepare_browser(monkeypatch) -> None:
     ensure_frontend()
 
 
+FRONTEND_FILES = ("static/vendor/uplot/uPlot.iife.min.js", "static/vendor/d3-flame-graph/d3-flamegraph.min.js")
+
+
 def ensure_frontend():
-    if not (REPO / "static/vendor/uplot/uPlot.iife.min.js").exists():
+    if not all((REPO / f).exists() for f in FRONTEND_FILES):
         subprocess.run(["bash", str(REPO / "scripts/frontend.sh")], check=True, cwd=REPO)

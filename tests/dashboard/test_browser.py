@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -24,10 +23,7 @@ REDIS_DB = int(os.environ.get("DASHBOARD_TEST_REDIS_DB", "11"))
 
 @pytest.fixture
 def live_stack(transactional_db, simulator_factory, django_user_model, monkeypatch):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
 
     from controlplane.endpoints.models import Endpoint

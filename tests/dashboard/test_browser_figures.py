@@ -9,7 +9,6 @@ import time
 import uuid
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -27,10 +26,7 @@ REL = 0.10
 
 @pytest.fixture
 def figures_stack(transactional_db, simulator_factory, django_user_model, monkeypatch):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
 
     from controlplane.endpoints.models import Endpoint

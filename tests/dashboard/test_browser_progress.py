@@ -7,7 +7,6 @@ import time
 import uuid
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -22,10 +21,7 @@ PARALLELISM = 16
 
 @pytest.fixture
 def two_worker_stack(transactional_db, simulator_factory, django_user_model, monkeypatch):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
 
     from controlplane.endpoints.models import Endpoint

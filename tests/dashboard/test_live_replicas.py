@@ -8,7 +8,6 @@ import asyncio
 import re
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from django.test import Client
@@ -155,8 +154,7 @@ def _wait_until(ok, what, timeout_s=15.0):
 def test_the_open_page_shows_each_tick_without_a_reload(running_job, monkeypatch):
     """The endpoint page open in Chromium (uvicorn, real Redis and PostgreSQL); a run's ticks are stored and
     published from this process as a worker's sink does: the replica cells change in place."""
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
     from django.db import connection
     from playwright.sync_api import sync_playwright
@@ -164,8 +162,6 @@ def test_the_open_page_shows_each_tick_without_a_reload(running_job, monkeypatch
     from controlplane.jobs.sink import DbSink, DbThread
     from workers.engine.replicas import ReplicaSet
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
-    servers.ensure_frontend()
     job, chunk, alice, _ = running_job
     replicas = ReplicaSet([A, B])
 

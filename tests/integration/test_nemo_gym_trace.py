@@ -99,10 +99,7 @@ def test_a_tool_calling_agents_trajectory_turn_by_turn_in_chromium(nemo_gym_tool
     from tests.dashboard import servers
     from workers.simulator.text import count_tokens
 
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API runs a loop in this thread
-    servers.ensure_frontend()
+    servers.prepare_browser(monkeypatch)
     django_user_model.objects.create_user(username="tess", password="tess-pw-123")
     printed = collect(nemo_gym_tools, write_tool_tasks(tmp_path / "tasks.jsonl", ("paris", "tokyo")),
                       tmp_path / "o" / "rollouts.jsonl", capsys, "+owner=tess")

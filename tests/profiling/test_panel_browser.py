@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -32,13 +31,7 @@ def _snap(session, scale):
 
 def test_profiling_panel_live_sortable_flame_and_switch(transactional_db, django_user_model, monkeypatch, math_dataset,
                                                         sim_endpoint):
-    if not Path(servers.CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium chromium-driver)")
-    if not (servers.REPO / "static/vendor/d3-flame-graph/d3-flamegraph.min.js").exists():
-        import subprocess
-
-        subprocess.run(["bash", str(servers.REPO / "scripts/frontend.sh")], check=True, cwd=servers.REPO)
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    servers.prepare_browser(monkeypatch)
     from django.conf import settings
     from playwright.sync_api import sync_playwright
 
