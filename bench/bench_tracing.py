@@ -26,6 +26,14 @@ machine drifts between rounds, by up to 2x in throughput). Goal: overhead <= 2 %
     .venv/bin/python -m bench.bench_tracing                       # 5 rounds of 3000 rollouts at c=64
     .venv/bin/python -m bench.bench_tracing --rounds 7 -n 5000 --json bench/results/tracing.json
     .venv/bin/python -m bench.bench_tracing -n 1000 --ttft-ms 200 --itl-ms 20   # the model server is the limit
+    .venv/bin/python -m bench.bench_tracing --command --rounds 9 -n 5000         # the whole collect_rollouts
+
+`--command` runs the product's collection as a user runs it: `manage.py collect_rollouts` (a job in a fresh
+SQLite database, every rollout stored and appended to the output file, +resume=false on one ingested file, verifier
+`--verifier`, "none" by default so that the engine and its sink stay the limit), the arm set by the deployment's
+settings (TRACING_MODE, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, TRACING_SAMPLE_RATIO). Rollouts/s counts from the
+simulator's first request to the command's exit; CPU is every process of the command (the OTLP exporter included,
+followed to its end) per rollout, start-up included (the same in every arm).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -124,6 +133,103 @@ async def one_run(arm: str, url: str, model: str, collector_url: str, n: int, c:
     }
 
 
+def _tree_cpu(pids: set[int], seen: dict[int, float], exporter: set[int]) -> None:
+    """Update `seen` (pid -> CPU seconds so far) for `pids` and their children; note the OTLP exporter's pids."""
+    tick = os.sysconf("SC_CLK_TCK")
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            seen[pid] = (int(fields[11]) + int(fields[12])) / tick
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+            if pid not in exporter:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"tracing_export" in f.read():
+                        exporter.add(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+        pids.update(kids)
+        todo.extend(k for k in kids if k not in seen)
+
+
+def command_run(arm: str, cmd: list[str], env: dict, sim_url: str, collector_url: str, n: int) -> dict:
+    """One `collect_rollouts` command under `arm`'s tracing settings: its collection rate and CPU per rollout."""
+    from bench.bench_collection import FirstRequest
+
+    env = dict(
+        env,
+        TRACING_MODE="off" if arm.startswith("off") else "spans" if arm == "spans" else "otlp",
+        TRACING_SAMPLE_RATIO="0.1" if arm.endswith("%") else "1.0",
+    )
+    if arm.startswith("otlp"):
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = collector_url
+    first = FirstRequest(sim_url)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids, seen, exporter = {proc.pid}, {}, set()
+    while proc.poll() is None:
+        _tree_cpu(pids, seen, exporter)
+        time.sleep(0.05)
+    t_end = time.monotonic()
+    err = proc.stderr.read()
+    deadline = time.monotonic() + 10  # the exporter's last flush ends after the command: follow it to its end
+    while exporter and time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in exporter):
+        _tree_cpu(set(exporter), seen, exporter)
+        time.sleep(0.05)
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm}: collect_rollouts exited {proc.returncode}:\n{err[-3000:]}")
+    wall = t_end - first.stop()
+    cpu, xcpu = sum(seen.values()), sum(seen.get(p, 0.0) for p in exporter)
+    return {
+        "arm": arm,
+        "rollouts": n,
+        "failed": 0,
+        "wall_s": wall,
+        "rps": n / wall,
+        "cpu_ms_per_rollout": 1000 * cpu / n,
+        "exporter_cpu_ms_per_rollout": 1000 * xcpu / n,
+        "dropped_spans": 0,
+    }
+
+
+def command_setup(tmp: str, n: int, c: int, verifier: str, sim_url: str, model: str) -> tuple[list[str], dict]:
+    """A fresh SQLite database, a file of `n` math tasks ingested by an untimed first command: the command and
+    environment of each timed run (+resume=false: a fresh job on the same dataset)."""
+    from bench.bench_cli import make_file
+
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp}/bench.sqlite3",
+        "PYTHONUNBUFFERED": "1",
+        "TRACING_MODE": "off",
+    }
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # modules load from cached bytecode, as on a user's machine
+    env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+    path = os.path.join(tmp, "tasks.jsonl")
+    make_file(path, n, 7)
+    cmd = [
+        sys.executable,
+        "manage.py",
+        "collect_rollouts",
+        f"+input_jsonl_fpath={path}",
+        f"+output_jsonl_fpath={tmp}/out.jsonl",
+        f"+model_base_url={sim_url}/v1",
+        f"+model_name={model}",
+        f"+num_samples_in_parallel={c}",
+        f"+verifier={verifier}",
+        "+resume=false",
+    ]
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, capture_output=True
+    )
+    warm = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)  # untimed: ingest, bytecode
+    if warm.returncode != 0:
+        raise SystemExit(f"collect_rollouts exited {warm.returncode}:\n{warm.stderr[-3000:]}")
+    return cmd, env
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=3000, help="rollouts per run")
@@ -138,6 +244,12 @@ def main():
     ap.add_argument("--itl-ms", type=float, default=0.0, help="the simulator's time between tokens (16 tokens)")
     ap.add_argument("--loop", default="", help="uvloop or asyncio (default: the engine's, $ENGINE_EVENT_LOOP)")
     ap.add_argument("--json", help="write the runs and the table here")
+    ap.add_argument(
+        "--command",
+        action="store_true",
+        help="time whole `manage.py collect_rollouts` commands (storage included) instead of the engine",
+    )
+    ap.add_argument("--verifier", default="none", help="with --command: the job's verifier")
     args = ap.parse_args()
 
     sim = start_simulator(
@@ -148,13 +260,20 @@ def main():
     )
     collector_url = col.stdout.readline().strip()
     runs: list[dict] = []
+    tmp = tempfile.TemporaryDirectory(prefix="bench_tracing_")
     try:
-        run_on_loop(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c), args.loop)  # warm: imports
+        if args.command:
+            cmd, env = command_setup(tmp.name, args.n, args.c, args.verifier, sim.url, sim.model)
+        else:
+            run_on_loop(one_run("otlp", sim.url, sim.model, collector_url, 500, args.c), args.loop)  # warm: imports
         for r in range(args.rounds):
             order = list(ARMS)
             random.Random(r).shuffle(order)  # no arm always follows the same one (what ran before moves the next)
             for arm in order:
-                res = run_on_loop(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c), args.loop)
+                if args.command:
+                    res = command_run(arm, cmd, env, sim.url, collector_url, args.n)
+                else:
+                    res = run_on_loop(one_run(arm, sim.url, sim.model, collector_url, args.n, args.c), args.loop)
                 res["round"] = r
                 runs.append(res)
                 print(
@@ -168,6 +287,7 @@ def main():
     finally:
         sim.stop()
         col.kill()
+        tmp.cleanup()
 
     med = {
         arm: {
@@ -181,10 +301,14 @@ def main():
     def ratio(arm: str, key: str) -> float:
         return statistics.median(x[key] / base[x["round"]][key] for x in runs if x["arm"] == arm)
 
+    what = (
+        f"whole collect_rollouts commands (SQLite), verifier {args.verifier}"
+        if args.command
+        else f"the engine, loop {'asyncio' if loop_factory(args.loop) is None else 'uvloop'}, verifier none"
+    )
     print(
-        f"\nTracing overhead: {args.rounds} rounds x {args.n} rollouts at concurrency {args.c}, "
-        f"loop {'asyncio' if loop_factory(args.loop) is None else 'uvloop'}, "
-        f"verifier none, simulator TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms x 16 tokens (medians)\n"
+        f"\nTracing overhead: {args.rounds} rounds x {args.n} rollouts at concurrency {args.c}, {what}, "
+        f"simulator TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms x 16 tokens (medians)\n"
     )
     print(
         f"{'arm':26s} {'rollouts/s':>11s} {'ratio':>7s} {'CPU ms/rollout':>15s} {'ratio':>7s} {'exporter CPU ms':>16s}"
