@@ -9,7 +9,8 @@ A thread pickles the batches into the process's stdin (length-prefixed frames); 
 its stdout. The process is started lazily on the first batch, restarted if it died (what it held is lost),
 flushed and stopped at the worker process's exit (atexit), and stops by itself when its stdin closes (the
 worker is gone): it reads its stdin to the end and exports what it read first, so a run's end only waits until
-its spans are in the pipe (`handed`), never for the collector (a dead one cost every run its 5 s flush).
+its spans are in the pipe (`handed`), never for the collector (a dead one cost every run its 5 s flush). Once
+the worker is gone the process has DRAIN_AFTER_EXIT_S to send what is left; a dead collector's retries stop then.
 
 A span tuple (SPAN_FIELDS): (name, trace_id, span_id, parent_span_id or 0, kind (0 internal, 2 client),
 start_ns, end_ns, attributes, error ("" = ok), links ((trace_id, span_id), ...)); ids are ints. The attributes are
@@ -57,6 +58,10 @@ QUEUE_BATCHES = 64  # batches (1024 spans each at most) waiting for the exporter
 EXPORT_BATCH_SPANS = 2048  # spans per OTLP request (~0.7 MB)
 EXPORTER_NICE = 10  # the exporter process's niceness (over the worker's)
 EXPORT_DELAY_S = 1.0  # the longest a span waits in the exporter process before its request
+EXPORT_TIMEOUT_S = 10.0  # one export request, retries included (the SDK's client)
+# Once the worker is gone (stdin closed), what is left is sent within this long; then the retries stop and the rest
+# is counted as failed: a dead collector never keeps an exporter process alive for minutes after a command.
+DRAIN_AFTER_EXIT_S = 10.0
 
 _exporters: dict[tuple, Exporter] = {}
 _lock = threading.Lock()
@@ -288,6 +293,7 @@ def _main() -> None:
     stdin = sys.stdin.buffer
     _parent, endpoint, headers, service_name = _read(stdin)
     q: queue.Queue = queue.Queue()
+    gone = threading.Event()  # the worker closed our stdin (it stopped us, or exited)
 
     def pump() -> None:
         try:
@@ -295,12 +301,13 @@ def _main() -> None:
                 q.put(_read(stdin))
         except (EOFError, OSError, ValueError):
             q.put(None)
+            gone.set()
 
     threading.Thread(target=pump, daemon=True, name="otlp-stdin").start()
-    _serve(q, lambda ack: _write(out, ack), endpoint, headers, service_name)
+    _serve(q, lambda ack: _write(out, ack), endpoint, headers, service_name, gone)
 
 
-def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) -> None:
+def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str, gone=None) -> None:
     try:
         os.nice(EXPORTER_NICE)  # the spans yield the CPU to collection: on a busy host they wait, never the rollouts
     except OSError:
@@ -309,10 +316,18 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
     from opentelemetry.sdk.resources import Resource
 
     plog = logging.getLogger(__name__ + ".process")
-    otlp = OTLPSpanExporter(endpoint=endpoint, headers=headers or None, timeout=10)
+    otlp = OTLPSpanExporter(endpoint=endpoint, headers=headers or None, timeout=EXPORT_TIMEOUT_S)
     encode_span, encode = _fast_encoder(Resource.create({"service.name": service_name}), "workers.engine")
     counts = {"exported": 0, "failed": 0}
     pending: list = []
+    if gone is not None:  # the worker gone, what is left has DRAIN_AFTER_EXIT_S; then retries stop, the rest fails
+
+        def drain_deadline() -> None:
+            gone.wait()
+            time.sleep(DRAIN_AFTER_EXIT_S)
+            otlp.shutdown()
+
+        threading.Thread(target=drain_deadline, daemon=True, name="otlp-drain").start()
     oldest = 0.0
 
     def export_pending() -> None:
@@ -356,7 +371,8 @@ def _serve(q, ack, endpoint: str, headers: dict[str, str], service_name: str) ->
                 pass
     if counts["failed"]:
         plog.warning("tracing: %d spans could not be exported to %s", counts["failed"], endpoint)
-    otlp.shutdown()
+    if not otlp._shutdown:  # noqa: SLF001 (the drain timer may have shut it down)
+        otlp.shutdown()
 
 
 def _fast_encoder(resource, scope_name: str):

@@ -120,3 +120,45 @@ def test_spans_handed_over_arrive_after_the_worker_leaves_without_teardown(colle
     )
     assert out.returncode == 0, out.stderr
     assert len(collector.wait_for("gone", 600)) == 600
+
+
+@pytest.mark.slow
+def test_a_dead_collector_never_keeps_the_exporter_long_after_the_worker():
+    """Three export requests' worth of spans for a collector that refuses connections, then the worker leaves:
+    the exporter process gives up within DRAIN_AFTER_EXIT_S (each request alone retried for EXPORT_TIMEOUT_S)."""
+    code = textwrap.dedent("""
+        import os, time
+        from workers.tracing_export import EXPORT_BATCH_SPANS, exporter
+        exp = exporter("http://127.0.0.1:9/v1/traces", {}, "svc")
+        now = time.time_ns()
+        for b in range(3):
+            assert exp.send([("x", 5, b * EXPORT_BATCH_SPANS + i + 1, 0, 0, now, now, {}, "", ())
+                             for i in range(EXPORT_BATCH_SPANS)])
+        assert exp.handed(10)
+        print(exp.stats()["pid"], flush=True)
+        os._exit(0)
+    """)
+    # the exporter inherits the worker's stderr: not a pipe here, or reading the worker's output would wait for it
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    pid = int(proc.stdout.readline())
+    assert proc.wait(60) == 0
+    t0 = time.monotonic()
+    budget = tracing_export.DRAIN_AFTER_EXIT_S + 5  # + the request in flight when the drain ends
+    while _alive(pid) and time.monotonic() - t0 < 4 * tracing_export.EXPORT_TIMEOUT_S:
+        time.sleep(0.1)
+    took = time.monotonic() - t0
+    assert not _alive(pid) and took < budget, took
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
