@@ -84,14 +84,19 @@ COLLECTOR = textwrap.dedent("""
 """)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far; OSError when it is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _exporter_cpu_s() -> float:
     """CPU seconds (user + system) used so far by this process's exporter subprocesses."""
     total = 0.0
     for pid in exporter_stats()["pids"]:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += _cpu_s(pid)
         except (OSError, IndexError, ValueError):
             pass
     return total
@@ -135,14 +140,11 @@ async def one_run(arm: str, url: str, model: str, collector_url: str, n: int, c:
 
 def _tree_cpu(pids: set[int], seen: dict[int, float], exporter: set[int]) -> None:
     """Update `seen` (pid -> CPU seconds so far) for `pids` and their children; note the OTLP exporter's pids."""
-    tick = os.sysconf("SC_CLK_TCK")
     todo = list(pids)
     while todo:
         pid = todo.pop()
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            seen[pid] = (int(fields[11]) + int(fields[12])) / tick
+            seen[pid] = _cpu_s(pid)
             with open(f"/proc/{pid}/task/{pid}/children") as f:
                 kids = [int(k) for k in f.read().split()]
             if pid not in exporter:

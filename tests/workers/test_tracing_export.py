@@ -17,6 +17,8 @@ from tests.otlp_collector import start_collector
 from workers import tracing_export
 from workers.tracing_export import Exporter
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @pytest.fixture
 def collector():
@@ -86,14 +88,7 @@ def test_spans_still_queued_are_flushed_when_the_worker_exits(collector):
         now = time.time_ns()
         assert exp.send([("late", 5, i + 1, 0, 0, now, now, {{}}, "", ()) for i in range(300)])
     """)  # no flush: the atexit handler sends them
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert out.returncode == 0, out.stderr
+    _run_worker(code)
     assert len(collector.by_name("late")) == 300
 
 
@@ -111,14 +106,7 @@ def test_spans_handed_over_arrive_after_the_worker_leaves_without_teardown(colle
         assert exp.handed(10)
         os._exit(0)
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert out.returncode == 0, out.stderr
+    _run_worker(code)
     assert len(collector.wait_for("gone", 600)) == 600
 
 
@@ -140,11 +128,7 @@ def test_a_dead_collector_never_keeps_the_exporter_long_after_the_worker():
     """)
     # the exporter inherits the worker's stderr: not a pipe here, or reading the worker's output would wait for it
     proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO
     )
     pid = int(proc.stdout.readline())
     assert proc.wait(60) == 0
@@ -154,6 +138,12 @@ def test_a_dead_collector_never_keeps_the_exporter_long_after_the_worker():
         time.sleep(0.1)
     took = time.monotonic() - t0
     assert not _alive(pid) and took < budget, took
+
+
+def _run_worker(code: str) -> None:
+    """`code` in a fresh interpreter at the repository's root: a worker process with its own exporter."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
 
 
 def _alive(pid: int) -> bool:
