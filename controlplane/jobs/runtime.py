@@ -187,6 +187,10 @@ def _run_chunk(chunk_id, worker_name="", on_progress=None, redispatch=True, on_s
             sink = DbSink(job=job, chunk=chunk, lease_owner=lease, worker_name=worker_name, db=db,
                           on_progress=on_progress, on_stored=on_stored)
             spec = build_spec(job, worker_name)
+            if peers == 1 and job.verify_cache == "job" and spec.verify_cache_shared_choice == "measured":
+                # the caller runs every chunk of the job in this one process: a shared lookup could find only
+                # what this run stored itself, so the run keeps its local cache and never opens Redis
+                spec.verify_cache_shared_choice = "alone"
             if peers is None:  # 0 (no worker registered, no Redis): unknown, every open chunk may start now
                 peers = capacity.queue_slots(capacity.queue_of(job)) or None
             spec.parallelism = chunk_parallelism_share(job.pk, chunk.pk, job.effective_parallelism, starting=True,

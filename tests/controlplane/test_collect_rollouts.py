@@ -218,6 +218,37 @@ def test_end_to_end_in_process_then_rerun_rewrites(simulator, tmp_path, capsys, 
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
+def test_the_jobs_only_process_keeps_its_verification_cache_local(simulator, tmp_path, settings):
+    """The drop-in's one engine process is the only one verifying its job: a shared lookup could find only what
+    the run stored itself (its local cache holds that), so the cache never asks Redis (no probe of 256 round
+    trips, no client made on the event loop) and nothing of the job is written there. VERIFY_CACHE_SHARED=always
+    keeps it."""
+    import redis
+
+    from controlplane.jobs.models import JobMetricSample
+    from controlplane.jobs.verify_cache import verify_cache_scope
+
+    inp = write_math(tmp_path / "tasks.jsonl", 20)
+    client = redis.Redis.from_url(settings.VERIFY_CACHE_URL)
+
+    def run(*extra):
+        call_command("collect_rollouts", *cli_args(inp, tmp_path / "out.jsonl", simulator.url, *extra))
+        job = CollectionJob.objects.latest("pk")
+        assert job.state == JobState.COMPLETED and job.rollouts.exists()
+        last = JobMetricSample.objects.filter(job=job).latest("pk").extra
+        return last, len(list(client.scan_iter(f"rcp:vcache:{verify_cache_scope(job)}:*")))
+
+    last, keys = run()
+    assert last["verify_cache_shared"] is False and keys == 0
+    assert last["verify_cache_choice"].startswith("local: the only process verifying this job")
+    assert last["verify_cache_lookups"] == 40
+    settings.VERIFY_CACHE_SHARED = "always"
+    last, keys = run("+limit=10")
+    assert last["verify_cache_shared"] is True and keys >= 10 and "verify_cache_choice" not in last
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
 def test_failed_job_exits_nonzero_with_message(tmp_path):
     import socket
 

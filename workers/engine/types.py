@@ -69,7 +69,8 @@ class CollectionSpec:
     verify_cache_scope: str = ""
     verify_cache_ttl_s: int = 7 * 24 * 3600
     verify_cache_claim_s: float = 60.0  # how long others wait for a worker computing the same work (it may have died)
-    verify_cache_shared_choice: str = "measured"  # "measured": Redis only while it pays (execution.py); "always"
+    verify_cache_shared_choice: str = "measured"  # "measured": Redis only while it pays (execution.py); "always";
+    # "alone": this process alone verifies the scope (local cache, Redis never opened)
     worker_name: str = ""
     pause_grace_s: float = 10.0  # on pause: how long in-flight requests may finish before they are dropped
     add_seed: bool = False  # NeMo Gym's num_repeats_add_seed: metadata.extra_body {"seed": rollout index}

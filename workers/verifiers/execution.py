@@ -21,6 +21,10 @@ program, an LLM judge: yes; math-verify at 0 % hits: no, it cost the engine 1.2-
 wait of a verification it computed and of a lookup, and the shared hit rate; when hit rate x compute < lookup
 (a lookup makes the rollout wait longer than its hits save; stores go on in the background) it goes on with its
 local cache only (`stats()` says which and why). `shared_choice="always"` keeps Redis whatever it costs. bench/bench_verify_cache.py measures both.
+`shared_choice="alone"`: the caller knows this run is the only process verifying its scope (the drop-in's one engine
+process, scope "job:..."), so a lookup could only find what this run put there itself, which its local cache
+holds: Redis is never asked (the probe's round trips, and the client made on the event loop, would only end in
+the local choice).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from .base import VerifyResult, get_verifier
 log = logging.getLogger(__name__)
 
 CACHE_MODES = ("off", "job", "global")
-SHARED_CHOICES = ("measured", "always")
+SHARED_CHOICES = ("measured", "always", "alone")
 SHARED_PROBE = 256  # shared lookups measured before the choice
 SHARED_PROBE_COMPUTED = 16  # ... of which at least this many computed (else nearly all hit: keep the shared cache)
 _GLOBAL_MAX = 200_000
@@ -118,16 +122,20 @@ class VerifyExecutor:
         self.cache = BoundedLru(local_max)  # done: key -> VerifyResult, the most recently used last
         self._inflight: dict[str, asyncio.Future] = {}  # being computed: identical requests wait for it
         self.hits = self.lookups = 0
-        self.shared = None
-        if cache != "off" and shared_url and shared_scope:
-            from .shared_cache import SharedVerifyCache
-
-            self.shared = SharedVerifyCache(shared_url, shared_scope, ttl_s=shared_ttl_s, claim_ttl_s=shared_claim_s)
-        self.shared_error = ""
         if shared_choice not in SHARED_CHOICES:
             raise ValueError(f"shared cache choice must be one of {', '.join(SHARED_CHOICES)}, not {shared_choice!r}")
         self.shared_choice = shared_choice
         self.choice = ""  # "" until chosen; "shared" or "local: <the measured costs>"
+        self.shared = None
+        if cache != "off" and shared_url and shared_scope:
+            if shared_choice == "alone":
+                self.choice = "local: the only process verifying this job (nothing another could share)"
+            else:
+                from .shared_cache import SharedVerifyCache
+
+                self.shared = SharedVerifyCache(shared_url, shared_scope, ttl_s=shared_ttl_s,
+                                                claim_ttl_s=shared_claim_s)
+        self.shared_error = ""
         self._dropped = []  # shared caches given up: closed at aclose, after the calls still using them
         # measured while the shared cache is on: (count, total seconds)
         self._lookup = [0, 0.0]
