@@ -57,8 +57,11 @@ INSTALLED_APPS = [
 
 # manage.py collect_rollouts (the drop-in CLI) serves no page: without daphne (it only adds `runserver` over ASGI)
 # the command's start skips importing twisted (~0.1-0.6 s). manage.py sets this for that command only.
+# Nor does it need the admin site's registrations (autodiscover imports every app's admin module and, through
+# them, Celery): SimpleAdminConfig keeps the admin app and its tables without them.
 if os.environ.get("CONTROLPLANE_LEAN_CLI") == "1":
     INSTALLED_APPS.remove("daphne")
+    INSTALLED_APPS[INSTALLED_APPS.index("django.contrib.admin")] = "django.contrib.admin.apps.SimpleAdminConfig"
 
 MIDDLEWARE = [
     # first, so it sees the response that goes out: a request's place among its user's open ones

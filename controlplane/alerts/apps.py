@@ -13,7 +13,7 @@ class AlertsConfig(AppConfig):
         from controlplane.panels import register_panel
 
         from .services import panel_context
-        from .tasks import on_notice
+        from .receivers import on_notice
 
         notices.register(on_notice)
         register_panel("alerts/panel.html", name="alerts", context=panel_context, after="errors")

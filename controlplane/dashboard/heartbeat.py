@@ -102,10 +102,10 @@ def alive_workers():
 
 
 def connect_signals():
-    from celery.signals import worker_ready, worker_shutdown
+    from controlplane import worker_signals
 
-    worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="dashboard-heartbeat-ready")
-    worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="dashboard-heartbeat-shutdown")
+    worker_signals.on("worker_ready", on_worker_ready, "dashboard-heartbeat-ready")
+    worker_signals.on("worker_shutdown", on_worker_shutdown, "dashboard-heartbeat-shutdown")
 
 
 class WorkersCollector:

@@ -294,10 +294,10 @@ def submit(endpoint, kind: str, *, user=None, source: str = "api", **raw) -> Adm
                                         source=source[:20], requested_by=user if getattr(user, "pk", None) else None)
     logger.info("ops action %s (%s) on endpoint %s asked by %s, trace %s", action.pk, kind, endpoint.pk,
                 getattr(user, "username", None) or source, trace_id)
-    from controlplane.celery import app
+    from controlplane.celery import registered_app
 
     try:  # by name: the task module imports this one
-        app.tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
+        registered_app().tasks["controlplane.endpoints.tasks.run_admin_action_task"].delay(action.pk)
     except Exception as exc:  # noqa: BLE001 - kombu / redis errors: nothing was sent
         AdminAction.objects.filter(pk=action.pk).update(state=AdminAction.State.FAILED, finished_at=timezone.now(),
                                                         error=f"the task queue is unavailable: {exc}"[:2000])
@@ -324,9 +324,9 @@ def recover_lost_actions(max_age_s: float | None = None, now=None) -> dict:
             error=(f"the task queue lost this action (its Redis restarted without its data) and it was queued more "
                    f"than {max_age_s:.0f} s ago, so it was not sent again; ask for it again if it is still wanted"))
     resent = list(queued.filter(created_at__gte=cutoff).order_by("pk").values_list("pk", flat=True))
-    from controlplane.celery import app
+    from controlplane.celery import registered_app
 
-    task = app.tasks["controlplane.endpoints.tasks.run_admin_action_task"]
+    task = registered_app().tasks["controlplane.endpoints.tasks.run_admin_action_task"]
     for pk in resent:
         try:
             task.delay(pk)

@@ -11,6 +11,6 @@ class ExportsConfig(AppConfig):
         # job span is sent, by a task on the default queue (an export may take seconds; it never delays the job).
         from controlplane import notices
 
-        from .tasks import on_notice
+        from .receivers import on_notice
 
         notices.register(on_notice)

@@ -11,7 +11,6 @@ from . import mlflow_export, tracing
 
 log = logging.getLogger(__name__)
 
-ENDS = ("job.completed", "job.failed")
 
 
 @shared_task(name="controlplane.exports.tasks.export_job_task", ignore_result=True)
@@ -45,17 +44,3 @@ def mlflow_live_task() -> int:
 def mlflow_live_job_task(job_id: int) -> int:
     job = CollectionJob.objects.select_related("endpoint", "dataset").filter(pk=job_id).first()
     return mlflow_export.live_tick_job(job) if job is not None else 0
-
-
-def wanted(info: dict) -> bool:
-    return tracing.enabled() or mlflow_export.job_wants(info.get("job_id"))
-
-
-def on_notice(kind: str, info: dict) -> None:
-    """A job ended (controlplane.notices): queue its exports when it has any. Quick: at most one query and a
-    queue message; nothing here calls out."""
-    if kind in ENDS and info.get("job_id") and wanted(info):
-        try:
-            export_job_task.delay(info["job_id"])
-        except Exception:  # noqa: BLE001 - no broker: logged, never raised into the job
-            log.exception("job %s: could not queue its exports", info["job_id"])

@@ -6,8 +6,8 @@ class JobsConfig(AppConfig):
     label = "jobs"
 
     def ready(self):
-        # register the Celery tasks in every process: services send them by name
-        from . import tasks  # noqa: F401
+        # The Celery tasks are not imported here: a worker imports them at its start, a sender when it sends one
+        # (controlplane.celery.registered_app), so the drop-in CLI starts without Celery.
         # every process refuses to start with a reserved queue name or bad verifier maxima
         from controlplane.operator import check_settings
 

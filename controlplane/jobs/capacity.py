@@ -24,10 +24,10 @@ import threading
 import time
 from datetime import timedelta
 
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane import worker_signals
 from workers.engine.types import ControlState
 
 from .models import CHUNK_LEASE, CollectionJob, JobChunk, JobState
@@ -114,7 +114,6 @@ def collection_slots(queue: str) -> int:
 _registration: dict = {}
 
 
-@worker_ready.connect
 def _register_at_start(sender=None, **_):
     """A worker registers its slots for the queues it consumes, and renews them until it stops."""
     controller = getattr(sender, "controller", None)
@@ -138,7 +137,6 @@ def _register_at_start(sender=None, **_):
     threading.Thread(target=renew, name="fair-share-slots", daemon=True).start()
 
 
-@worker_shutdown.connect
 def _unregister_at_stop(**_):
     if _registration:
         _registration["stop"].set()
@@ -146,6 +144,10 @@ def _unregister_at_stop(**_):
             unregister_slots(_registration["node"], _registration["queues"])
         except Exception:  # noqa: BLE001 - the keys expire anyway
             pass
+
+
+worker_signals.on("worker_ready", _register_at_start, "capacity-register-slots")
+worker_signals.on("worker_shutdown", _unregister_at_stop, "capacity-unregister-slots")
 
 
 # --- the share ----------------------------------------------------------------------------------------
@@ -216,9 +218,9 @@ def requeued_over_share(chunk_id) -> bool:
     delay = settings.JOBS_FAIR_SHARE_RETRY_S
     # dispatched again now: the watchdog must not take the waiting chunk for a lost message
     JobChunk.objects.filter(pk=chunk_id, state=JobChunk.State.PENDING).update(dispatched_at=timezone.now())
-    from controlplane.celery import app
+    from controlplane.celery import registered_app
 
-    app.tasks[RUN_CHUNK_TASK].apply_async((chunk_id,), countdown=delay, queue=queue_of(chunk.job))
+    registered_app().tasks[RUN_CHUNK_TASK].apply_async((chunk_id,), countdown=delay, queue=queue_of(chunk.job))
     logger.info("job %s chunk %s: its owner holds their fair share of the workers while others wait; "
                 "queued again in %g s", chunk.job_id, chunk.index, delay)
     return True
@@ -231,9 +233,11 @@ def requeued_over_share(chunk_id) -> bool:
 HANDING_BACK = threading.Event()
 
 
-@worker_shutting_down.connect
 def _hand_back_on_stop(**_):
     HANDING_BACK.set()
+
+
+worker_signals.on("worker_shutting_down", _hand_back_on_stop, "capacity-hand-back")
 
 
 def hand_back_lease(chunk_id, lease_owner) -> bool:

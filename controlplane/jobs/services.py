@@ -42,11 +42,10 @@ __all__ = [
 
 
 def send_task(name, *args, queue=None):
-    """Send a registered Celery task (honours task_always_eager; the jobs app registers its tasks when ready)
-    to `queue`, or to the default queue when None."""
-    from controlplane.celery import app  # created here where nothing has (the drop-in CLI)
+    """Send a registered Celery task (honours task_always_eager) to `queue`, or to the default queue when None."""
+    from controlplane.celery import registered_app  # Celery is imported at the first task sent, not at start
 
-    task = app.tasks[name]
+    task = registered_app().tasks[name]
     return task.apply_async(args, queue=queue) if queue else task.delay(*args)
 
 

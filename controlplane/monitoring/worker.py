@@ -29,6 +29,6 @@ def start_worker_exporter(sender=None, **kwargs):
 
 
 def connect_signals():
-    from celery.signals import worker_ready
+    from controlplane import worker_signals
 
-    worker_ready.connect(start_worker_exporter, weak=False, dispatch_uid="monitoring-worker-exporter")
+    worker_signals.on("worker_ready", start_worker_exporter, "monitoring-worker-exporter")

@@ -248,6 +248,24 @@ def test_the_jobs_only_process_keeps_its_verification_cache_local(simulator, tmp
 
 
 @pytest.mark.slow
+def test_a_run_never_imports_celery(simulator, tmp_path):
+    """A drop-in run sends no task and is no worker: it never imports Celery (the apps' tasks modules and the
+    worker's signals cost 0.2-0.4 s of every start before). Read from `python -X importtime`, which lists every
+    module the command's processes imported."""
+    inp = write_math(tmp_path / "tasks.jsonl", 20)
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "PYTHONUNBUFFERED": "1"}
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env, check=True, timeout=300)
+    p = subprocess.run([sys.executable, "-X", "importtime", "manage.py", "collect_rollouts",
+                        *cli_args(inp, tmp_path / "out.jsonl", simulator.url)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "40 ok, 0 failed of 40" in p.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert {"django.db.models", "aiohttp", "math_verify"} <= imported  # the listing is complete enough to tell
+    assert sorted(m for m in imported if m.split(".")[0] in ("celery", "kombu", "billiard")) == []
+
+
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_failed_job_exits_nonzero_with_message(tmp_path):
     import socket

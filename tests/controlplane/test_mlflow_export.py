@@ -8,6 +8,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
+from controlplane.exports import receivers as export_receivers
 from controlplane.exports import tasks as export_tasks
 from controlplane.exports.mlflow_export import export_job
 from controlplane.jobs.models import CollectionJob
@@ -64,14 +65,14 @@ def test_job_run_read_back_with_get_run(tracking, monkeypatch, tmp_path):
     # the job's end queues the export (a notice listener), which writes the run once
     queued = []
     monkeypatch.setattr(export_tasks.export_job_task, "delay", queued.append)
-    export_tasks.on_notice("job.completed", {"job_id": job.pk})
+    export_receivers.on_notice("job.completed", {"job_id": job.pk})
     assert queued == [job.pk]
     out = export_tasks.export_job_task(job.pk)
     run_id = out["mlflow_run_id"]
     assert run_id
     job.refresh_from_db()
     assert job.collection_options["mlflow_run_id"] == run_id and export_job(job) == run_id  # not exported twice
-    export_tasks.on_notice("job.completed", {"job_id": job.pk})
+    export_receivers.on_notice("job.completed", {"job_id": job.pk})
     assert queued == [job.pk]
 
     mlflow.set_tracking_uri(tracking)
