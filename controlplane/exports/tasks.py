@@ -12,7 +12,6 @@ from . import mlflow_export, tracing
 log = logging.getLogger(__name__)
 
 
-
 @shared_task(name="controlplane.exports.tasks.export_job_task", ignore_result=True)
 def export_job_task(job_id: int) -> dict:
     job = CollectionJob.objects.select_related("endpoint", "dataset").filter(pk=job_id).first()
